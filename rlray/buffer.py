@@ -1,0 +1,100 @@
+"""EpisodeBuffer: a bounded FIFO of references to scored episode batches.
+
+The buffer never looks inside a batch: it holds an opaque reference (a Ray ObjectRef
+wrapped in a list so Ray does not resolve it) plus the few numbers it needs to apply
+backpressure and the staleness rule. The learner resolves the references itself.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class BufferedBatch:
+    """A reference to one scored rollout batch and what the buffer needs to know of it."""
+
+    ref: Any
+    policy_version: int
+    num_episodes: int
+    first_prompt_index: int
+    batch_id: int
+
+
+@dataclass
+class TakenBatches:
+    """What one take returns: fresh batches for a learner step, and what was dropped."""
+
+    batches: list[BufferedBatch]
+    dropped: list[BufferedBatch]
+
+
+class EpisodeBuffer:
+    """Holds at most `capacity_episodes`; drops batches more than `max_staleness` versions
+    behind the learner when the learner asks for data."""
+
+    def __init__(self, capacity_episodes: int, max_staleness: int):
+        self.capacity_episodes = capacity_episodes
+        self.max_staleness = max_staleness
+        self._batches: deque[BufferedBatch] = deque()
+        self.depth_episodes = 0
+        self.dropped_stale_episodes = 0
+        self.added_episodes = 0
+        self._dropped_unreported: list[BufferedBatch] = []
+
+    def has_room(self, num_episodes: int) -> bool:
+        """Returns whether a batch of this size fits now."""
+        return self.depth_episodes + num_episodes <= self.capacity_episodes
+
+    def add(self, batch: BufferedBatch) -> None:
+        """Appends a batch; raises if it does not fit (callers wait on has_room first)."""
+        if not self.has_room(batch.num_episodes):
+            raise OverflowError(f"buffer full: {self.depth_episodes}/{self.capacity_episodes} episodes")
+        self._batches.append(batch)
+        self.depth_episodes += batch.num_episodes
+        self.added_episodes += batch.num_episodes
+
+    def is_stale(self, batch: BufferedBatch, learner_version: int) -> bool:
+        """Returns whether the batch's policy is more than max_staleness versions behind."""
+        return learner_version - batch.policy_version > self.max_staleness
+
+    def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
+        """Drops stale batches, then removes and returns the oldest fresh batches that
+        total `num_episodes`, with every batch dropped since the last take; returns None
+        while too few fresh episodes are here."""
+        self._drop_stale(learner_version)
+        count, batches = 0, []
+        for batch in self._batches:
+            if count >= num_episodes:
+                break
+            batches.append(batch)
+            count += batch.num_episodes
+        if count < num_episodes:
+            return None
+        for _ in batches:
+            self._batches.popleft()
+        self.depth_episodes -= count
+        dropped, self._dropped_unreported = self._dropped_unreported, []
+        return TakenBatches(batches, dropped)
+
+    def _drop_stale(self, learner_version: int) -> None:
+        kept: deque[BufferedBatch] = deque()
+        for batch in self._batches:
+            if self.is_stale(batch, learner_version):
+                self._dropped_unreported.append(batch)
+                self.depth_episodes -= batch.num_episodes
+                self.dropped_stale_episodes += batch.num_episodes
+            else:
+                kept.append(batch)
+        self._batches = kept
+
+    def stats(self) -> dict[str, int]:
+        """Returns depth, capacity and counters (small; goes into metrics)."""
+        return {
+            "buffer_depth": self.depth_episodes,
+            "buffer_capacity": self.capacity_episodes,
+            "dropped_stale": self.dropped_stale_episodes,
+            "added": self.added_episodes,
+        }

@@ -1,0 +1,534 @@
+"""The one typed config: dataclasses with a docstring per field, YAML + command line.
+
+`python jobs/ppo.py --help` prints every field below with its docstring; a YAML file
+(`--config`) uses the same nesting (`ppo: {clip: 0.2}`) and any field can be set on the
+command line as `--ppo.clip 0.3`. Cross-field rules live in `validate`, which names the
+bad field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BUILTIN_MODEL = "builtin:tiny-arithmetic"
+BUILTIN_DATA = "builtin:arithmetic"
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the field or file."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = BUILTIN_MODEL
+    """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
+    that reach a hub), or builtin:tiny-arithmetic: a 0.4M-parameter Qwen2 built offline
+    and warm-started on the arithmetic task on first use, then cached."""
+    dtype: str = "float32"
+    """Weights dtype for rollouts and the learner: float32, bfloat16 or float16."""
+    max_model_len: int = 64
+    """Context window in tokens (prompt + completion) given to vLLM."""
+
+
+@dataclass
+class DataConfig:
+    train: str = BUILTIN_DATA
+    """Training prompts: builtin:arithmetic, or a JSONL file with a "prompt" field per
+    line; other fields (e.g. "answer") reach the reward functions as columns."""
+    eval: str = BUILTIN_DATA
+    """Held-out prompts for greedy exact-match evaluation: builtin:arithmetic (pairs
+    disjoint from training) or a JSONL file with "prompt" and "answer" fields."""
+    eval_size: int = 200
+    """How many held-out prompts each evaluation uses."""
+    arithmetic_digits: int = 2
+    """Operand digits of the built-in arithmetic task (a+b with a, b < 10**digits)."""
+    shuffle: bool = True
+    """Reshuffle training prompts every pass (seeded); false keeps file order."""
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    """Rollout actors, each with its own vLLM engine."""
+    prompts_per_batch: int = 16
+    """Prompts in one generate call; a rollout batch is prompts x samples episodes."""
+    samples_per_prompt: int = 4
+    """Completions sampled per prompt."""
+    max_new_tokens: int = 6
+    """Completion length limit in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (the learner scores tokens at the same temperature)."""
+    kv_cache_gib: int = 1
+    """KV-cache size per worker in GiB (vLLM CPU backend; ignored on GPU)."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory a GPU rollout worker's vLLM engine may take."""
+    enforce_eager: bool = True
+    """Skip vLLM graph compilation (on CPU it costs ~20 s at start for no speed-up)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per rollout actor."""
+    gpus_per_worker: float = 0.0
+    """GPUs reserved per rollout actor (0 = vLLM CPU build)."""
+
+
+@dataclass
+class RewardSpec:
+    name: str = "exact_match"
+    """A built-in reward name."""
+    weight: float = 1.0
+    """Weight of this component in the total reward."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function on every call."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Reward components f(prompts, completions, **columns) -> list[float]; the total is
+    their weighted sum. On the command line, a YAML list:
+    '[{name: exact_match, weight: 1.0}]'."""
+    num_workers: int = 1
+    """Reward-scoring actors."""
+    cpus_per_worker: float = 0.5
+    """CPUs reserved per reward actor."""
+
+
+@dataclass
+class BufferConfig:
+    capacity_episodes: int = 512
+    """Most episodes the buffer holds; producers wait while it is full."""
+    max_staleness: int = 0
+    """Drop episodes made by a policy more than this many learner updates behind the
+    learner. 0 is strict on-policy PPO; >= 1 lets generation overlap training."""
+
+
+@dataclass
+class PPOConfig:
+    episodes_per_step: int = 64
+    """Episodes in one learner step (a multiple of the rollout batch)."""
+    epochs: int = 2
+    """Passes over each step's episodes."""
+    minibatch_size: int = 32
+    """Episodes per optimizer update."""
+    micro_batch_size: int = 32
+    """Episodes per forward/backward; gradients accumulate over a mini-batch."""
+    lr: float = 2e-4
+    """AdamW learning rate of the policy."""
+    critic_lr: float = 1e-3
+    """AdamW learning rate of the critic (value model)."""
+    gamma: float = 1.0
+    """Discount factor of GAE."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip: float = 0.2
+    """PPO ratio clip epsilon."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the rollout-time values."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    kl_coef: float = 0.01
+    """Weight of the KL penalty against the frozen reference model."""
+    kl_estimator: str = "k1"
+    """KL estimator: k1 (log ratio) or k3 (always >= 0)."""
+    kl_mode: str = "reward"
+    """Where the KL penalty goes: reward (per-token reward penalty) or loss (loss term)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0, std 1 over each step's tokens."""
+
+
+@dataclass
+class LearnerConfig:
+    steps: int = 60
+    """Learner steps (PPO updates) in the run."""
+    sync_every: int = 1
+    """Publish weights to the rollout workers every this many learner steps."""
+    eval_every: int = 10
+    """Evaluate held-out accuracy every this many steps (and at step 0 and the end)."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and at the end)."""
+    cpus: float = 1.0
+    """CPUs reserved for the learner actor."""
+    gpus: float = 0.0
+    """GPUs reserved for the learner actor (0 = train on CPU)."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster to join. Empty: the cluster in RAY_ADDRESS (set by `ray job submit`)
+    if any, else a new local single-node Ray."""
+    num_cpus: int = 0
+    """Logical CPUs of a new local Ray (0 = enough for the actors, at least this
+    machine's cores)."""
+    actor_start_timeout_s: float = 600.0
+    """Longest wait for an actor to start (vLLM engine load included)."""
+    call_timeout_s: float = 600.0
+    """Longest wait for any one remote call (generate, score, learner step, sync)."""
+
+
+@dataclass
+class Config:
+    run_dir: str = ""
+    """Output directory; empty: runs/ppo-<date>-<time> under the working directory."""
+    seed: int = 0
+    """Seed of prompt order, sampling and learner initialisation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def rollout_batch_episodes(self) -> int:
+        """Returns the number of episodes one generate call makes."""
+        return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
+
+
+# ---------------------------------------------------------------- field docs and types
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Returns {field name: docstring} from the string literal under each field."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
+    return docs
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaf_fields(cls: type = Config, prefix: str = "") -> dict[str, tuple[type, Any, str]]:
+    """Returns {dotted name: (type, default, doc)} of every settable field."""
+    out: dict[str, tuple[type, Any, str]] = {}
+    docs, hints, defaults = field_docs(cls), _field_types(cls), cls()
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            out.update(leaf_fields(kind, f"{prefix}{f.name}."))  # type: ignore[arg-type]
+        else:
+            out[prefix + f.name] = (kind, getattr(defaults, f.name), docs.get(f.name, ""))
+    return out
+
+
+def _type_name(kind: Any) -> str:
+    origin = typing.get_origin(kind)
+    if origin is list:
+        return "list"
+    if origin is dict:
+        return "mapping"
+    return getattr(kind, "__name__", str(kind))
+
+
+def coerce(value: Any, kind: Any, name: str) -> Any:
+    """Returns `value` converted to `kind`, or raises ConfigError naming the field `name`."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None or value == "none":
+            if type(None) in options:
+                return None
+        return coerce(value, next(t for t in options if t is not type(None)), name)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, str):
+            value = _parse_yaml_text(value, name)
+        if isinstance(value, list):
+            (item_kind,) = typing.get_args(kind)
+            return [coerce(v, item_kind, f"{name}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, str):
+            value = _parse_yaml_text(value, name)
+        if isinstance(value, dict):
+            return dict(value)
+    elif dataclasses.is_dataclass(kind):
+        if isinstance(value, dict):
+            return build_dataclass(kind, value, name)  # type: ignore[arg-type]
+    raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}")
+
+
+def _parse_yaml_text(text: str, name: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{name}: not valid YAML: {' '.join(str(err).split())}") from None
+
+
+def build_dataclass(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    """Returns `cls(**values)` with nested sections built and every value type-checked;
+    an unknown key raises ConfigError that suggests the closest field."""
+    hints = _field_types(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known:
+            guess = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess[0]}'?)" if guess else ""
+            raise ConfigError(f"unknown config field '{dotted}'{hint}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind) and not isinstance(value, dict):
+            raise ConfigError(f"{dotted}: expected a section of fields, got {value!r}")
+        kwargs[key] = coerce(value, kind, dotted)
+    return cls(**kwargs)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """Returns the config as nested plain dicts (what config.yaml holds)."""
+    return dataclasses.asdict(config)
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    """Returns the mapping in a YAML config file, or raises ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+    return data
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    for section in sections:
+        node = tree.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{section}: expected a section of fields, got {node!r}")
+        tree = node
+    tree[leaf] = value
+
+
+# ---------------------------------------------------------------- command line
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+@dataclass
+class CommandLine:
+    """What the command line asked for: the config and, if any, a run to resume."""
+
+    config: Config
+    resume_dir: Path | None
+
+
+def build_parser(prog: str = "ppo.py") -> argparse.ArgumentParser:
+    """Returns the argument parser whose --help lists every config field with its doc."""
+    parser = _OneLineParser(
+        prog=prog,
+        description="PPO fine-tuning of a causal LM on Ray with vLLM rollouts.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE.yaml", help="Load config from a YAML file.")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="Continue a stopped run from its last checkpoint.")
+    parser.add_argument("--model", metavar="PATH", dest="model.path", help="Same as --model.path.")
+    parser.add_argument("--run-dir", metavar="DIR", dest="run_dir", help="Same as --run_dir.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for dotted, (kind, default, doc) in leaf_fields().items():
+        section = dotted.split(".")[0] if "." in dotted else "run"
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"{section} settings")
+        shown = default if not isinstance(default, list) else yaml.safe_dump(
+            [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in default],
+            default_flow_style=True,
+        ).strip()
+        names = [f"--{dotted}"]
+        if "_" in dotted:
+            names.append(f"--{dotted.replace('_', '-')}")
+        groups[section].add_argument(
+            *names, dest=dotted, metavar=_type_name(kind).upper(), help=f"{doc} (default: {shown})"
+        )
+    return parser
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Returns the config from defaults < --config file (or the resumed run's
+    config.yaml) < command-line overrides. Raises ConfigError on any bad input."""
+    parser = build_parser()
+    known, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        dotted = flag.lstrip("-").replace("-", "_")
+        fields = list(leaf_fields())
+        guess = difflib.get_close_matches(dotted, fields, n=1)
+        hint = f" (did you mean '--{guess[0]}'?)" if guess else ""
+        raise ConfigError(f"unknown config field '{flag}'{hint}")
+    given = vars(known)
+    resume_dir = Path(given.pop("resume")) if "resume" in given else None
+    tree: dict[str, Any] = {}
+    if resume_dir is not None:
+        if "config" in given:
+            raise ConfigError("--resume takes the run's own config.yaml; drop --config")
+        if not (resume_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume: no config.yaml in {resume_dir}")
+        tree = load_yaml_file(resume_dir / "config.yaml")
+        tree["run_dir"] = str(resume_dir)
+    elif "config" in given:
+        tree = load_yaml_file(given.pop("config"))
+    given.pop("config", None)
+    for dotted, value in given.items():
+        _set_dotted(tree, dotted, value)
+    if resume_dir is not None and Path(tree.get("run_dir", resume_dir)) != resume_dir:
+        raise ConfigError("--resume and --run-dir name different directories")
+    return CommandLine(config=build_dataclass(Config, tree), resume_dir=resume_dir)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(config: Config) -> None:
+    """Raises ConfigError naming the first bad field; checks ranges and cross-field rules.
+
+    File checks (model path, data files, prompt lengths) need the tokenizer and live in
+    rlray.data.check_prompts_fit and rlray.models.resolve_model_path.
+    """
+    r, p, b, learner = config.rollout, config.ppo, config.buffer, config.learner
+    positive = {
+        "model.max_model_len": config.model.max_model_len,
+        "data.eval_size": config.data.eval_size,
+        "data.arithmetic_digits": config.data.arithmetic_digits,
+        "rollout.num_workers": r.num_workers,
+        "rollout.prompts_per_batch": r.prompts_per_batch,
+        "rollout.samples_per_prompt": r.samples_per_prompt,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.kv_cache_gib": r.kv_cache_gib,
+        "reward.num_workers": config.reward.num_workers,
+        "buffer.capacity_episodes": b.capacity_episodes,
+        "ppo.episodes_per_step": p.episodes_per_step,
+        "ppo.epochs": p.epochs,
+        "ppo.minibatch_size": p.minibatch_size,
+        "ppo.micro_batch_size": p.micro_batch_size,
+        "ppo.lr": p.lr,
+        "ppo.critic_lr": p.critic_lr,
+        "ppo.clip": p.clip,
+        "ppo.value_clip": p.value_clip,
+        "ppo.max_grad_norm": p.max_grad_norm,
+        "learner.steps": learner.steps,
+        "learner.sync_every": learner.sync_every,
+        "learner.eval_every": learner.eval_every,
+        "learner.checkpoint_every": learner.checkpoint_every,
+        "ray.actor_start_timeout_s": config.ray.actor_start_timeout_s,
+        "ray.call_timeout_s": config.ray.call_timeout_s,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    non_negative = {
+        "rollout.temperature": r.temperature,
+        "rollout.cpus_per_worker": r.cpus_per_worker,
+        "rollout.gpus_per_worker": r.gpus_per_worker,
+        "reward.cpus_per_worker": config.reward.cpus_per_worker,
+        "buffer.max_staleness": b.max_staleness,
+        "ppo.vf_coef": p.vf_coef,
+        "ppo.kl_coef": p.kl_coef,
+        "ppo.entropy_coef": p.entropy_coef,
+        "learner.cpus": learner.cpus,
+        "learner.gpus": learner.gpus,
+        "ray.num_cpus": config.ray.num_cpus,
+        "seed": config.seed,
+    }
+    for name, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+    _check_choice("model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
+    _check_choice("ppo.kl_estimator", p.kl_estimator, ("k1", "k3"))
+    _check_choice("ppo.kl_mode", p.kl_mode, ("reward", "loss"))
+    for name, value in (("ppo.gamma", p.gamma), ("ppo.lam", p.lam)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{name} must be in [0, 1], got {value}")
+    if r.temperature == 0:
+        raise ConfigError("rollout.temperature must be > 0 (PPO needs sampled episodes)")
+    if p.episodes_per_step % config.rollout_batch_episodes:
+        raise ConfigError(
+            f"ppo.episodes_per_step ({p.episodes_per_step}) must be a multiple of the rollout "
+            f"batch (rollout.prompts_per_batch x rollout.samples_per_prompt = "
+            f"{config.rollout_batch_episodes})"
+        )
+    if p.episodes_per_step % p.minibatch_size:
+        raise ConfigError(
+            f"ppo.minibatch_size ({p.minibatch_size}) must divide ppo.episodes_per_step "
+            f"({p.episodes_per_step})"
+        )
+    if p.minibatch_size % p.micro_batch_size:
+        raise ConfigError(
+            f"ppo.micro_batch_size ({p.micro_batch_size}) must divide ppo.minibatch_size "
+            f"({p.minibatch_size})"
+        )
+    if b.capacity_episodes < p.episodes_per_step:
+        raise ConfigError(
+            f"buffer.capacity_episodes ({b.capacity_episodes}) must hold one learner step "
+            f"(ppo.episodes_per_step = {p.episodes_per_step})"
+        )
+    if b.max_staleness < learner.sync_every - 1:
+        raise ConfigError(
+            f"buffer.max_staleness ({b.max_staleness}) must be >= learner.sync_every - 1 "
+            f"({learner.sync_every - 1}): rollouts lag that far between weight syncs"
+        )
+    if not config.reward.functions:
+        raise ConfigError("reward.functions must name at least one reward")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,154 @@
+"""Prompt sources: the built-in arithmetic task and JSONL files.
+
+A prompt source is an endless, seeded stream: `row(i)` is the i-th training prompt of
+the run, so a saved cursor (an index) is all a resumed run needs to continue the same
+stream.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlray.config import BUILTIN_DATA, ConfigError, DataConfig
+
+# Fixed so that the held-out set does not move when the run seed changes.
+_EVAL_SPLIT_SEED = 20261122
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt and the dataset columns that travel with it (e.g. answer)."""
+
+    prompt: str
+    columns: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(Protocol):
+    def row(self, index: int) -> PromptRow:
+        """Returns the index-th prompt of the stream."""
+        ...
+
+
+def arithmetic_row(a: int, b: int) -> PromptRow:
+    """Returns the prompt 'a+b=' with its answer column."""
+    return PromptRow(prompt=f"{a}+{b}=", columns={"answer": str(a + b)})
+
+
+def arithmetic_eval_pairs(digits: int, count: int) -> list[tuple[int, int]]:
+    """Returns `count` distinct operand pairs held out from training."""
+    limit = 10**digits
+    count = min(count, limit * limit // 2)
+    rng = random.Random(_EVAL_SPLIT_SEED + digits)
+    pairs: dict[tuple[int, int], None] = {}
+    while len(pairs) < count:
+        pairs[(rng.randrange(limit), rng.randrange(limit))] = None
+    return list(pairs)
+
+
+class ArithmeticPrompts:
+    """Endless a+b prompts with a, b < 10**digits, never a held-out pair."""
+
+    def __init__(self, digits: int, seed: int, held_out: int):
+        self.limit = 10**digits
+        self.seed = seed
+        self.held_out = set(arithmetic_eval_pairs(digits, held_out))
+
+    def row(self, index: int) -> PromptRow:
+        rng = random.Random(f"{self.seed}:{index}")
+        while True:
+            pair = (rng.randrange(self.limit), rng.randrange(self.limit))
+            if pair not in self.held_out:
+                return arithmetic_row(*pair)
+
+    def longest_prompts(self) -> list[PromptRow]:
+        """Returns the prompts with the most characters (for the context-window check)."""
+        top = self.limit - 1
+        return [arithmetic_row(top, top)]
+
+
+class FilePrompts:
+    """Rows of a JSONL file, reshuffled every pass with a seeded permutation."""
+
+    def __init__(self, rows: list[PromptRow], seed: int, shuffle: bool):
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self._order_of_pass: dict[int, list[int]] = {}
+
+    def row(self, index: int) -> PromptRow:
+        pass_number, position = divmod(index, len(self.rows))
+        if not self.shuffle:
+            return self.rows[position]
+        order = self._order_of_pass.get(pass_number)
+        if order is None:
+            order = list(range(len(self.rows)))
+            random.Random(f"{self.seed}:{pass_number}").shuffle(order)
+            self._order_of_pass = {pass_number: order}
+        return self.rows[order[position]]
+
+    def longest_prompts(self) -> list[PromptRow]:
+        return self.rows
+
+
+def read_jsonl(path: str, field_name: str, require: tuple[str, ...] = ("prompt",)) -> list[PromptRow]:
+    """Returns the rows of a JSONL prompt file, or raises ConfigError naming the file and line."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{field_name}: file not found: {path}")
+    rows = []
+    with file.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object")
+            for key in require:
+                if key not in record:
+                    raise ConfigError(f"{path}:{number}: missing field '{key}'")
+            if not isinstance(record["prompt"], str):
+                raise ConfigError(f"{path}:{number}: 'prompt' must be a string")
+            prompt = record.pop("prompt")
+            rows.append(PromptRow(prompt=prompt, columns=record))
+    if not rows:
+        raise ConfigError(f"{field_name}: {path} holds no prompts")
+    return rows
+
+
+def train_prompts(data: DataConfig, seed: int) -> ArithmeticPrompts | FilePrompts:
+    """Returns the training prompt stream named by the config."""
+    if data.train == BUILTIN_DATA:
+        return ArithmeticPrompts(data.arithmetic_digits, seed, held_out=data.eval_size)
+    if data.train.startswith("builtin:"):
+        raise ConfigError(f"data.train: unknown built-in {data.train!r}; known: {BUILTIN_DATA}")
+    return FilePrompts(read_jsonl(data.train, "data.train"), seed, data.shuffle)
+
+
+def eval_rows(data: DataConfig) -> list[PromptRow]:
+    """Returns the held-out evaluation prompts (each with an 'answer' column)."""
+    if data.eval == BUILTIN_DATA:
+        pairs = arithmetic_eval_pairs(data.arithmetic_digits, data.eval_size)
+        return [arithmetic_row(a, b) for a, b in pairs]
+    if data.eval.startswith("builtin:"):
+        raise ConfigError(f"data.eval: unknown built-in {data.eval!r}; known: {BUILTIN_DATA}")
+    return read_jsonl(data.eval, "data.eval", require=("prompt", "answer"))[: data.eval_size]
+
+
+def check_prompts_fit(
+    rows: list[PromptRow], token_counts: list[int], max_new_tokens: int, max_model_len: int, source: str
+) -> None:
+    """Raises ConfigError if any prompt plus max_new_tokens exceeds the context window."""
+    for row, count in zip(rows, token_counts, strict=True):
+        if count + max_new_tokens > max_model_len:
+            preview = row.prompt[:40] + ("..." if len(row.prompt) > 40 else "")
+            raise ConfigError(
+                f"{source}: prompt {preview!r} is {count} tokens; with rollout.max_new_tokens="
+                f"{max_new_tokens} it exceeds model.max_model_len={max_model_len}"
+            )

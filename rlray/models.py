@@ -1,0 +1,197 @@
+"""Model paths: the embedded tiny arithmetic model, local directories and hub names.
+
+The embedded default is a 0.4M-parameter Qwen2 (hidden 128, 2 layers, 2 heads of
+head_dim 64, which vLLM's CPU attention supports) with a character tokenizer built by
+`tokenizers`. It is warm-started briefly on the arithmetic task by supervised learning
+so that PPO starts from a model that is right sometimes but far from always. The
+result is cached (keyed by everything that shapes it), so only the first run pays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlray.config import BUILTIN_MODEL, ConfigError
+
+TINY_RECIPE = {
+    "recipe": 1,
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 64,
+    "digits": 2,
+    "warm_start_steps": 250,
+    "warm_start_batch": 128,
+    "warm_start_lr": 1e-3,
+    "seed": 0,
+}
+CHARACTERS = list("0123456789+-*=() ")
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+
+
+def cache_dir() -> Path:
+    """Returns rlray's cache folder: $RLRAY_CACHE_DIR, else ~/.cache/rlray."""
+    return Path(os.environ.get("RLRAY_CACHE_DIR", Path.home() / ".cache" / "rlray"))
+
+
+def resolve_model_path(spec: str) -> str:
+    """Returns a local model directory (or hub name) for the config's model.path.
+
+    Raises ConfigError, naming the path, if a local directory is missing or is not an
+    HF-format model.
+    """
+    if spec == BUILTIN_MODEL:
+        return str(tiny_arithmetic_model())
+    if spec.startswith("builtin:"):
+        raise ConfigError(f"model.path: unknown built-in model {spec!r}; known: {BUILTIN_MODEL}")
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: {spec} has no config.json (not an HF-format model)")
+        return str(path.resolve())
+    if _looks_like_hub_name(spec):
+        return spec
+    raise ConfigError(f"model.path: no such model directory: {spec}")
+
+
+def _looks_like_hub_name(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tiny_arithmetic_model() -> Path:
+    """Returns the directory of the warm-started tiny model, building it on first use.
+
+    Several processes (actors on one node) may ask at once: one builds under a file
+    lock, the others wait and reuse it. The build is seeded and deterministic, so nodes
+    that build their own copy get the same weights.
+    """
+    key = hashlib.sha256(json.dumps(TINY_RECIPE, sort_keys=True).encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"tiny-arithmetic-{key}"
+    if (target / "config.json").is_file():
+        return target
+    with _file_lock(cache_dir() / "models" / f".tiny-arithmetic-{key}.lock"):
+        if not (target / "config.json").is_file():
+            staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=target.parent))
+            _build_tiny_arithmetic_model(staging)
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+    return target
+
+
+def build_char_tokenizer():  # -> PreTrainedTokenizerFast
+    """Returns a character-level fast tokenizer (one token per character, <eos> last)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def _build_tiny_arithmetic_model(out: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    recipe = TINY_RECIPE
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe["hidden_size"],
+        intermediate_size=recipe["intermediate_size"],
+        num_hidden_layers=recipe["num_hidden_layers"],
+        num_attention_heads=recipe["num_attention_heads"],
+        num_key_value_heads=recipe["num_attention_heads"],
+        max_position_embeddings=recipe["max_position_embeddings"],
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with _single_seed(recipe["seed"]):
+        model = Qwen2ForCausalLM(config)
+        _warm_start(model, tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "rlray_recipe.json").write_text(json.dumps(recipe, indent=2))
+
+
+@contextlib.contextmanager
+def _single_seed(seed: int) -> Iterator[None]:
+    import torch
+
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def _warm_start(model, tokenizer) -> None:
+    """Supervised steps on a+b=answer<eos> (training pairs only), loss on the answer."""
+    import torch
+
+    from rlray.data import ArithmeticPrompts
+
+    recipe = TINY_RECIPE
+    prompts = ArithmeticPrompts(recipe["digits"], seed=recipe["seed"], held_out=200)
+    rng = random.Random(recipe["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["warm_start_lr"], weight_decay=0.0)
+    model.train()
+    for _ in range(recipe["warm_start_steps"]):
+        rows = [prompts.row(rng.randrange(1 << 30)) for _ in range(recipe["warm_start_batch"])]
+        pairs = [
+            (tokenizer(r.prompt).input_ids, tokenizer(r.columns["answer"]).input_ids + [tokenizer.eos_token_id])
+            for r in rows
+        ]
+        width = max(len(p) + len(c) for p, c in pairs)
+        input_ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(pairs), width), -100)
+        attention = torch.zeros(len(pairs), width, dtype=torch.long)
+        for i, (p, c) in enumerate(pairs):
+            input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+            attention[i, : len(p) + len(c)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def load_tokenizer(path: str):  # -> PreTrainedTokenizerBase
+    """Returns the model's tokenizer, or raises ConfigError naming the path."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.path: cannot load a tokenizer from {path}: {first_line}") from None

@@ -1,0 +1,179 @@
+"""RolloutWorker: a vLLM engine in this process that turns prompts into episodes.
+
+A plain class: tests construct it in-process; rlray.actors wraps it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rlray.config import ModelConfig, RolloutConfig
+from rlray.data import PromptRow
+from rlray.episode import Episode
+from rlray.rewards import exact_match
+
+# vLLM must keep its engine in this process (a Ray actor), not fork its own.
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass
+class GenerateStats:
+    """Small summary of one generate call, sent to the driver instead of the episodes."""
+
+    worker: str
+    policy_version: int
+    episodes: int
+    completion_tokens: int
+    seconds: float
+
+
+@dataclass
+class EvalResult:
+    """Greedy exact-match accuracy on held-out prompts at one policy version."""
+
+    accuracy: float
+    policy_version: int
+    examples: list[tuple[str, str, str]]  # (prompt, completion, answer), the first few
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    # Rotary embeddings have no weights to load; vLLM warns about them on every reload.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
+    """Returns the environment variables a rollout process needs before vLLM is imported."""
+    return {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(rollout.kv_cache_gib)}
+
+
+def sampling_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
+    """Returns the per-request vLLM seed: sampling does not depend on batch composition."""
+    return (run_seed * 1_000_003 + prompt_index * 131 + sample_index) % (2**31 - 1)
+
+
+class RolloutWorker:
+    """Generates completions with per-token logprobs; loads new weights in place."""
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        run_id: str,
+        seed: int,
+        policy_version: int = 0,
+    ):
+        for key, value in vllm_env(rollout).items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.name = name
+        self.run_id = run_id
+        self.seed = seed
+        self.rollout = rollout
+        self.policy_version = policy_version
+        engine_args = {}
+        if rollout.gpus_per_worker > 0:
+            engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        self.llm = LLM(
+            model=model_path,
+            dtype=model.dtype,
+            seed=seed,
+            max_model_len=model.max_model_len,
+            enforce_eager=rollout.enforce_eager,
+            # Logprobs after temperature scaling: what the learner recomputes.
+            logprobs_mode="processed_logprobs",
+            **engine_args,
+        )
+        logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(_DropRotaryReloadWarning())
+
+    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> tuple[list[Episode], GenerateStats]:
+        """Returns samples_per_prompt episodes per prompt, tagged with this worker's
+        policy version, and a small stats record."""
+        from vllm import SamplingParams
+
+        samples = self.rollout.samples_per_prompt
+        prompts, params, keys = [], [], []
+        for offset, row in enumerate(rows):
+            index = first_prompt_index + offset
+            for sample in range(samples):
+                prompts.append(row.prompt)
+                params.append(
+                    SamplingParams(
+                        max_tokens=self.rollout.max_new_tokens,
+                        temperature=self.rollout.temperature,
+                        logprobs=0,
+                        seed=sampling_seed(self.seed, index, sample),
+                    )
+                )
+                keys.append((row, index, sample))
+        started = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        now = time.time()
+        episodes = [
+            self._episode(row, index, sample, output, now)
+            for (row, index, sample), output in zip(keys, outputs, strict=True)
+        ]
+        tokens = sum(len(e.completion_token_ids) for e in episodes)
+        stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
+        return episodes, stats
+
+    def _episode(self, row: PromptRow, index: int, sample: int, output, now: float) -> Episode:
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+        return Episode(
+            run_id=self.run_id,
+            episode_id=f"{self.run_id}-{index}-{sample}",
+            prompt_index=index,
+            sample_index=sample,
+            prompt=row.prompt,
+            completion=completion.text,
+            prompt_token_ids=list(output.prompt_token_ids),
+            completion_token_ids=token_ids,
+            rollout_logprobs=logprobs,
+            finish_reason=completion.finish_reason or "length",
+            policy_version=self.policy_version,
+            rollout_worker=self.name,
+            columns=dict(row.columns),
+            generated_at=now,
+        )
+
+    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+        """Returns greedy-decoding exact-match accuracy against each row's 'answer'."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=self.rollout.max_new_tokens, temperature=0.0)
+        outputs = self.llm.generate([r.prompt for r in rows], params, use_tqdm=False)
+        completions = [o.outputs[0].text for o in outputs]
+        answers = [str(r.columns["answer"]) for r in rows]
+        scores = exact_match([r.prompt for r in rows], completions, answer=answers)
+        shown = list(zip([r.prompt for r in rows], completions, answers, strict=True))[:examples]
+        return EvalResult(sum(scores) / len(scores), self.policy_version, shown)
+
+    def load_weights(self, version: int, weights: Mapping) -> float:
+        """Loads a published state dict in place and returns the seconds it took."""
+        started = time.perf_counter()
+        items = list(weights.items())
+
+        def reload(worker) -> None:  # runs on vLLM's worker, in this process
+            worker.reload_weights(weights_iterator=iter(items))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return time.perf_counter() - started
