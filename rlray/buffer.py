@@ -40,21 +40,35 @@ class EpisodeBuffer:
         self.max_staleness = max_staleness
         self._batches: deque[BufferedBatch] = deque()
         self.depth_episodes = 0
+        self.reserved_episodes = 0
         self.dropped_stale_episodes = 0
         self.added_episodes = 0
         self._dropped_unreported: list[BufferedBatch] = []
 
-    def has_room(self, num_episodes: int) -> bool:
-        """Returns whether a batch of this size fits now."""
-        return self.depth_episodes + num_episodes <= self.capacity_episodes
+    def reserve(self, num_episodes: int) -> bool:
+        """Reserves room for a batch about to be generated; returns False (the producer
+        waits) when held plus reserved episodes would exceed the capacity. Reserving
+        before generating keeps in-flight episodes inside the bound too."""
+        if self.depth_episodes + self.reserved_episodes + num_episodes > self.capacity_episodes:
+            return False
+        self.reserved_episodes += num_episodes
+        return True
 
     def add(self, batch: BufferedBatch) -> None:
-        """Appends a batch; raises if it does not fit (callers wait on has_room first)."""
-        if not self.has_room(batch.num_episodes):
-            raise OverflowError(f"buffer full: {self.depth_episodes}/{self.capacity_episodes} episodes")
+        """Appends a batch whose room was reserved; raises if none was."""
+        if self.reserved_episodes < batch.num_episodes:
+            raise OverflowError(
+                f"add of {batch.num_episodes} episodes without a reservation "
+                f"({self.reserved_episodes} reserved)"
+            )
+        self.reserved_episodes -= batch.num_episodes
         self._batches.append(batch)
         self.depth_episodes += batch.num_episodes
         self.added_episodes += batch.num_episodes
+
+    def release(self, num_episodes: int) -> None:
+        """Returns reserved room whose batch will never arrive (its generation failed)."""
+        self.reserved_episodes = max(0, self.reserved_episodes - num_episodes)
 
     def is_stale(self, batch: BufferedBatch, learner_version: int) -> bool:
         """Returns whether the batch's policy is more than max_staleness versions behind."""
@@ -90,10 +104,15 @@ class EpisodeBuffer:
                 kept.append(batch)
         self._batches = kept
 
+    def oldest_prompt_index(self) -> int | None:
+        """Returns the first prompt index of the oldest held batch, or None if empty."""
+        return min((b.first_prompt_index for b in self._batches), default=None)
+
     def stats(self) -> dict[str, int]:
         """Returns depth, capacity and counters (small; goes into metrics)."""
         return {
             "buffer_depth": self.depth_episodes,
+            "buffer_reserved": self.reserved_episodes,
             "buffer_capacity": self.capacity_episodes,
             "dropped_stale": self.dropped_stale_episodes,
             "added": self.added_episodes,

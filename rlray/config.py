@@ -383,7 +383,6 @@ def build_parser(prog: str = "ppo.py") -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE.yaml", help="Load config from a YAML file.")
     parser.add_argument("--resume", metavar="RUN_DIR", help="Continue a stopped run from its last checkpoint.")
     parser.add_argument("--model", metavar="PATH", dest="model.path", help="Same as --model.path.")
-    parser.add_argument("--run-dir", metavar="DIR", dest="run_dir", help="Same as --run_dir.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for dotted, (kind, default, doc) in leaf_fields().items():
         section = dotted.split(".")[0] if "." in dotted else "run"

