@@ -20,11 +20,11 @@ from pathlib import Path
 # working directory is the repository, so this finds rlray without an install too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.actors import ActorFailure, connect, required_cpus, start_actors  # noqa: E402
-from rlray.config import ConfigError, parse_command_line, validate  # noqa: E402
-from rlray.driver import MetricsLog, PPODriver, RunPlan, plan_run, write_config  # noqa: E402
-from rlray.learner import checkpoint_version  # noqa: E402
-from rlray.progress import Progress  # noqa: E402
+from rlray.actors import ActorFailure, connect, required_cpus, start_actors
+from rlray.config import ConfigError, parse_command_line, validate
+from rlray.driver import MetricsLog, PPODriver, RunPlan, plan_run, write_config
+from rlray.learner import checkpoint_version
+from rlray.progress import Progress
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
     # 2. Actors: rollout (vLLM), reward, buffer and learner, each named.
     connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
     print(f"run directory: {plan.run_dir}", flush=True)
-    actors = start_actors(config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint))
+    actors = start_actors(
+        config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint)
+    )
     try:
         summary = train(plan, PPODriver(plan, actors, *resume_point(plan)))
     except ActorFailure as err:

@@ -184,4 +184,3 @@ def start_actors(config: Config, model_path: str, run_id: str, checkpoint: str |
         actors.kill()
         raise
     return actors
-

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import textwrap
 import types
 import typing
@@ -63,7 +64,7 @@ class DataConfig:
 class RolloutConfig:
     num_workers: int = 1
     """Rollout actors, each with its own vLLM engine."""
-    prompts_per_batch: int = 16
+    prompts_per_batch: int = 64
     """Prompts in one generate call; a rollout batch is prompts x samples episodes."""
     samples_per_prompt: int = 4
     """Completions sampled per prompt."""
@@ -107,7 +108,7 @@ class RewardConfig:
 
 @dataclass
 class BufferConfig:
-    capacity_episodes: int = 512
+    capacity_episodes: int = 1024
     """Most episodes the buffer holds; producers wait while it is full."""
     max_staleness: int = 0
     """Drop episodes made by a policy more than this many learner updates behind the
@@ -116,17 +117,17 @@ class BufferConfig:
 
 @dataclass
 class PPOConfig:
-    episodes_per_step: int = 64
+    episodes_per_step: int = 256
     """Episodes in one learner step (a multiple of the rollout batch)."""
     epochs: int = 2
     """Passes over each step's episodes."""
-    minibatch_size: int = 32
+    minibatch_size: int = 128
     """Episodes per optimizer update."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 64
     """Episodes per forward/backward; gradients accumulate over a mini-batch."""
-    lr: float = 2e-4
+    lr: float = 5e-5
     """AdamW learning rate of the policy."""
-    critic_lr: float = 1e-3
+    critic_lr: float = 1e-4
     """AdamW learning rate of the critic (value model)."""
     gamma: float = 1.0
     """Discount factor of GAE."""
@@ -138,7 +139,7 @@ class PPOConfig:
     """Clip range of the value loss around the rollout-time values."""
     vf_coef: float = 0.5
     """Weight of the value loss."""
-    kl_coef: float = 0.01
+    kl_coef: float = 0.05
     """Weight of the KL penalty against the frozen reference model."""
     kl_estimator: str = "k1"
     """KL estimator: k1 (log ratio) or k3 (always >= 0)."""
@@ -154,7 +155,7 @@ class PPOConfig:
 
 @dataclass
 class LearnerConfig:
-    steps: int = 60
+    steps: int = 150
     """Learner steps (PPO updates) in the run."""
     sync_every: int = 1
     """Publish weights to the rollout workers every this many learner steps."""
@@ -211,7 +212,7 @@ def field_docs(cls: type) -> dict[str, str]:
     """Returns {field name: docstring} from the string literal under each field."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, following in zip(body, body[1:], strict=False):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
@@ -255,9 +256,8 @@ def coerce(value: Any, kind: Any, name: str) -> Any:
     origin = typing.get_origin(kind)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(kind)
-        if value is None or value == "none":
-            if type(None) in options:
-                return None
+        if (value is None or value == "none") and type(None) in options:
+            return None
         return coerce(value, next(t for t in options if t is not type(None)), name)
     if kind is bool:
         if isinstance(value, bool):
@@ -294,9 +294,8 @@ def coerce(value: Any, kind: Any, name: str) -> Any:
             value = _parse_yaml_text(value, name)
         if isinstance(value, dict):
             return dict(value)
-    elif dataclasses.is_dataclass(kind):
-        if isinstance(value, dict):
-            return build_dataclass(kind, value, name)  # type: ignore[arg-type]
+    elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
+        return build_dataclass(kind, value, name)  # type: ignore[arg-type]
     raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}")
 
 
@@ -341,7 +340,9 @@ def load_yaml_file(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of config sections, got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of config sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -381,17 +382,23 @@ def build_parser(prog: str = "ppo.py") -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE.yaml", help="Load config from a YAML file.")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="Continue a stopped run from its last checkpoint.")
+    parser.add_argument(
+        "--resume", metavar="RUN_DIR", help="Continue a stopped run from its last checkpoint."
+    )
     parser.add_argument("--model", metavar="PATH", dest="model.path", help="Same as --model.path.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for dotted, (kind, default, doc) in leaf_fields().items():
         section = dotted.split(".")[0] if "." in dotted else "run"
         if section not in groups:
             groups[section] = parser.add_argument_group(f"{section} settings")
-        shown = default if not isinstance(default, list) else yaml.safe_dump(
-            [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in default],
-            default_flow_style=True,
-        ).strip()
+        shown = (
+            default
+            if not isinstance(default, list)
+            else yaml.safe_dump(
+                [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in default],
+                default_flow_style=True,
+            ).strip()
+        )
         names = [f"--{dotted}"]
         if "_" in dotted:
             names.append(f"--{dotted.replace('_', '-')}")

@@ -94,7 +94,9 @@ class FilePrompts:
         return self.rows
 
 
-def read_jsonl(path: str, field_name: str, require: tuple[str, ...] = ("prompt",)) -> list[PromptRow]:
+def read_jsonl(
+    path: str, field_name: str, require: tuple[str, ...] = ("prompt",)
+) -> list[PromptRow]:
     """Returns the rows of a JSONL prompt file, or raises ConfigError naming the file and line."""
     file = Path(path)
     if not file.is_file():
@@ -142,7 +144,11 @@ def eval_rows(data: DataConfig) -> list[PromptRow]:
 
 
 def check_prompts_fit(
-    rows: list[PromptRow], token_counts: list[int], max_new_tokens: int, max_model_len: int, source: str
+    rows: list[PromptRow],
+    token_counts: list[int],
+    max_new_tokens: int,
+    max_model_len: int,
+    source: str,
 ) -> None:
     """Raises ConfigError if any prompt plus max_new_tokens exceeds the context window."""
     for row, count in zip(rows, token_counts, strict=True):

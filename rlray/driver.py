@@ -54,7 +54,9 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     held_out = eval_rows(config.data)
     for source, rows in (("data.train", prompts.longest_prompts()), ("data.eval", held_out)):
         counts = [len(ids) for ids in tokenizer([r.prompt for r in rows]).input_ids]
-        check_prompts_fit(rows, counts, config.rollout.max_new_tokens, config.model.max_model_len, source)
+        check_prompts_fit(
+            rows, counts, config.rollout.max_new_tokens, config.model.max_model_len, source
+        )
     checkpoint = None
     if resume_dir is not None:
         checkpoint = latest_checkpoint(resume_dir)
@@ -152,10 +154,14 @@ class PPODriver:
         first = self.prompt_cursor
         rows = [self.plan.prompts.row(first + i) for i in range(count)]
         self.prompt_cursor += count
-        episodes, gen_stats = self.actors.rollout[worker].generate.options(num_returns=2).remote(rows, first)
+        episodes, gen_stats = (
+            self.actors.rollout[worker].generate.options(num_returns=2).remote(rows, first)
+        )
         reward_index = self.next_reward
         self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
-        scored, score_stats = self.actors.reward[reward_index].score.options(num_returns=2).remote(episodes)
+        scored, score_stats = (
+            self.actors.reward[reward_index].score.options(num_returns=2).remote(episodes)
+        )
         self.in_flight.append(
             InFlight(
                 generate_stats=gen_stats,
@@ -178,10 +184,14 @@ class PPODriver:
         ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout)
         if not ready:
             names = sorted({f"{i.rollout_name}/{i.reward_name}" for i in self.in_flight})
-            raise ActorFailure(f"{', '.join(names)}: no rollout batch finished within {self.timeout:.0f} s")
+            raise ActorFailure(
+                f"{', '.join(names)}: no rollout batch finished within {self.timeout:.0f} s"
+            )
         item = next(i for i in self.in_flight if i.score_stats == ready[0])
         self.in_flight.remove(item)
-        gen: GenerateStats = wait_for(item.generate_stats, item.rollout_name, "generate", self.timeout)
+        gen: GenerateStats = wait_for(
+            item.generate_stats, item.rollout_name, "generate", self.timeout
+        )
         score = wait_for(item.score_stats, item.reward_name, "score", self.timeout)
         batch = BufferedBatch(
             ref=[item.episodes],
@@ -207,7 +217,9 @@ class PPODriver:
         per_step = self.config.ppo.episodes_per_step
         while True:
             self.fill()
-            taken = self._call("buffer", self.actors.buffer.take.remote(per_step, self.learner_version), "take")
+            taken = self._call(
+                "buffer", self.actors.buffer.take.remote(per_step, self.learner_version), "take"
+            )
             if taken is not None:
                 break
             self._collect_one()
@@ -242,7 +254,10 @@ class PPODriver:
             wait_for(ref, name, "weight load", self.timeout)
             for ref, name in zip(loads, self.actors.rollout_names, strict=True)
         ]
-        return {"weight_sync_seconds": time.perf_counter() - started, "weight_load_seconds": max(load_seconds)}
+        return {
+            "weight_sync_seconds": time.perf_counter() - started,
+            "weight_load_seconds": max(load_seconds),
+        }
 
     def evaluate(self) -> EvalResult:
         """Returns greedy held-out accuracy, measured on rollout-0 at its current version."""
@@ -253,7 +268,9 @@ class PPODriver:
         """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,
         so a resumed run regenerates whatever was buffered or in flight."""
         pending = [item.first_prompt_index for item in self.in_flight]
-        oldest_buffered = self._call("buffer", self.actors.buffer.oldest_prompt_index.remote(), "inspect")
+        oldest_buffered = self._call(
+            "buffer", self.actors.buffer.oldest_prompt_index.remote(), "inspect"
+        )
         if oldest_buffered is not None:
             pending.append(oldest_buffered)
         cursor = min(pending, default=self.prompt_cursor)

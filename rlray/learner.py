@@ -117,6 +117,9 @@ class Learner:
         checkpoint: str | None = None,
     ):
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # checkpoint saves would print a bar each
 
         torch.manual_seed(seed)
         self.ppo = ppo
@@ -130,10 +133,16 @@ class Learner:
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
         self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(self.device)
-        self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(
+            self.device
+        )
         self.reference.requires_grad_(False).eval()
-        critic_trunk = AutoModel.from_pretrained(f"{checkpoint}/critic" if checkpoint else model_path, dtype=dtype)
-        self.critic = ValueModel(critic_trunk, self.policy.config.hidden_size).to(self.device, dtype)
+        critic_trunk = AutoModel.from_pretrained(
+            f"{checkpoint}/critic" if checkpoint else model_path, dtype=dtype
+        )
+        self.critic = ValueModel(critic_trunk, self.policy.config.hidden_size).to(
+            self.device, dtype
+        )
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": self.policy.parameters(), "lr": ppo.lr},
@@ -150,7 +159,9 @@ class Learner:
     # ------------------------------------------------------------------ forward passes
 
     def _completion_logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # (B, L, V)
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask
+        ).logits  # (B, L, V)
         index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         return logits.gather(1, index).float() / self.temperature  # (B, T, V)
 
@@ -162,7 +173,9 @@ class Learner:
         """Returns the policy's logprob of every completion token of each episode."""
         batch = self._to_device(collate(episodes, self.pad_token_id))
         with torch.no_grad():
-            logp = pm.token_logprobs(self._completion_logits(self.policy, batch), batch.completion_ids)
+            logp = pm.token_logprobs(
+                self._completion_logits(self.policy, batch), batch.completion_ids
+            )
         return [logp[i, : len(e.completion_token_ids)].tolist() for i, e in enumerate(episodes)]
 
     def _to_device(self, batch: TokenBatch) -> TokenBatch:
@@ -177,8 +190,12 @@ class Learner:
         batch = self._to_device(collate(episodes, self.pad_token_id))
         mask = batch.mask
         with torch.no_grad():
-            current_logp = pm.token_logprobs(self._completion_logits(self.policy, batch), batch.completion_ids)
-            ref_logp = pm.token_logprobs(self._completion_logits(self.reference, batch), batch.completion_ids)
+            current_logp = pm.token_logprobs(
+                self._completion_logits(self.policy, batch), batch.completion_ids
+            )
+            ref_logp = pm.token_logprobs(
+                self._completion_logits(self.reference, batch), batch.completion_ids
+            )
             old_values = self._completion_values(batch)
         parity = self._parity_error(episodes, current_logp, batch)
         # The behaviour policy's logprobs (vLLM's) make the importance ratio exact for
@@ -207,23 +224,30 @@ class Learner:
             clip_fraction=totals["clip_fraction"],
             value_clip_fraction=totals["value_clip_fraction"],
             explained_variance=pm.explained_variance(old_values, returns, mask),
-            staleness_mean=sum(self.version - 1 - e.policy_version for e in episodes) / len(episodes),
+            staleness_mean=sum(self.version - 1 - e.policy_version for e in episodes)
+            / len(episodes),
             logprob_parity_error=parity,
             learner_tokens_per_s=tokens / seconds,
             learner_seconds=seconds,
             completion_length_mean=float(mask.sum(dim=1).mean()),
         )
 
-    def _parity_error(self, episodes: list[Episode], current_logp: torch.Tensor, batch: TokenBatch) -> float | None:
+    def _parity_error(
+        self, episodes: list[Episode], current_logp: torch.Tensor, batch: TokenBatch
+    ) -> float | None:
         """Returns max |vLLM logprob - learner logprob| over episodes made by the current
         weights (None if there are none): a corrupted weight sync shows up here."""
-        fresh = torch.tensor([e.policy_version == self.version for e in episodes], device=self.device)
+        fresh = torch.tensor(
+            [e.policy_version == self.version for e in episodes], device=self.device
+        )
         if not bool(fresh.any()):
             return None
         gap = (current_logp - batch.rollout_logprobs).abs() * batch.mask
         return float(gap[fresh].max())
 
-    def _run_epochs(self, batch, old_logp, ref_logp, old_values, advantages, returns) -> dict[str, float]:
+    def _run_epochs(
+        self, batch, old_logp, ref_logp, old_values, advantages, returns
+    ) -> dict[str, float]:
         ppo = self.ppo
         size = batch.input_ids.shape[0]
         sums: dict[str, float] = dict.fromkeys(
@@ -238,8 +262,13 @@ class Learner:
                 for micro_start in range(0, len(minibatch), ppo.micro_batch_size):
                     rows = minibatch[micro_start : micro_start + ppo.micro_batch_size]
                     parts = self._micro_batch_loss(
-                        batch.rows(rows), old_logp[rows], ref_logp[rows], old_values[rows],
-                        advantages[rows], returns[rows], token_count,
+                        batch.rows(rows),
+                        old_logp[rows],
+                        ref_logp[rows],
+                        old_values[rows],
+                        advantages[rows],
+                        returns[rows],
+                        token_count,
                     )
                     parts.pop("loss").backward()
                     share = float(batch.mask[rows].sum())
@@ -252,13 +281,17 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
         return {key: value / max(weight_total, 1.0) for key, value in sums.items()}
 
-    def _micro_batch_loss(self, batch, old_logp, ref_logp, old_values, advantages, returns, token_count):
+    def _micro_batch_loss(
+        self, batch, old_logp, ref_logp, old_values, advantages, returns, token_count
+    ):
         ppo = self.ppo
         logits = self._completion_logits(self.policy, batch)
         logp = pm.token_logprobs(logits, batch.completion_ids)
         entropy = pm.entropy_from_logits(logits)
         values = self._completion_values(batch)
-        policy_loss, clip_fraction = pm.policy_loss(logp, old_logp, advantages, batch.mask, ppo.clip, token_count)
+        policy_loss, clip_fraction = pm.policy_loss(
+            logp, old_logp, advantages, batch.mask, ppo.clip, token_count
+        )
         value_loss, value_clip_fraction = pm.value_loss(
             values, old_values, returns, batch.mask, ppo.value_clip, token_count
         )
@@ -271,9 +304,9 @@ class Learner:
         share = token_count / max(float(batch.mask.sum()), 1.0)
         return {
             "loss": loss,
-            "policy_loss": float(policy_loss) * share,
-            "value_loss": float(value_loss) * share,
-            "entropy": float(entropy_mean) * share,
+            "policy_loss": policy_loss.item() * share,
+            "value_loss": value_loss.item() * share,
+            "entropy": entropy_mean.item() * share,
             "clip_fraction": float(clip_fraction),
             "value_clip_fraction": float(value_clip_fraction),
         }
@@ -284,7 +317,9 @@ class Learner:
         """Returns the policy's HF-named weights on CPU, for the rollout workers."""
         # Tied lm_head.weight is sent too: vLLM's CPU backend keeps a separately packed
         # copy of it, which goes stale (logprob error ~2) if only the embedding loads.
-        return {name: tensor.detach().to("cpu") for name, tensor in self.policy.state_dict().items()}
+        return {
+            name: tensor.detach().to("cpu") for name, tensor in self.policy.state_dict().items()
+        }
 
     def save_checkpoint(self, run_dir: str | Path, prompt_cursor: int) -> Path:
         """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
@@ -307,8 +342,12 @@ class Learner:
             },
             staging / "trainer_state.pt",
         )
-        state = {"version": self.version, "step": self.version, "prompt_cursor": prompt_cursor,
-                 "reference_model": self.model_path}
+        state = {
+            "version": self.version,
+            "step": self.version,
+            "prompt_cursor": prompt_cursor,
+            "reference_model": self.model_path,
+        }
         (staging / "state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
@@ -320,7 +359,9 @@ class Learner:
         state = json.loads((checkpoint / "state.json").read_text())
         head = torch.load(checkpoint / "critic" / "value_head.pt", map_location=self.device)
         self.critic.head.load_state_dict(head)
-        trainer = torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)
+        trainer = torch.load(
+            checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False
+        )
         self.optimizer.load_state_dict(trainer["optimizer"])
         self.shuffle.set_state(trainer["shuffle_rng"])
         torch.random.set_rng_state(trainer["torch_rng"])
@@ -349,4 +390,7 @@ def checkpoint_version(checkpoint: str | Path) -> int:
 
 def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:
     """Returns the metrics as a JSON-ready dict (NaN becomes None)."""
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(metrics).items()}
+    return {
+        k: (None if isinstance(v, float) and math.isnan(v) else v)
+        for k, v in asdict(metrics).items()
+    }

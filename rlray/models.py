@@ -93,6 +93,7 @@ def tiny_arithmetic_model() -> Path:
         return target
     with _file_lock(cache_dir() / "models" / f".tiny-arithmetic-{key}.lock"):
         if not (target / "config.json").is_file():
+            print(f"building the embedded tiny model in {target} (first use only)", flush=True)
             staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=target.parent))
             _build_tiny_arithmetic_model(staging)
             shutil.rmtree(target, ignore_errors=True)
@@ -116,6 +117,9 @@ def build_char_tokenizer():  # -> PreTrainedTokenizerFast
 
 def _build_tiny_arithmetic_model(out: Path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's bar is noise on every run
 
     recipe = TINY_RECIPE
     tokenizer = build_char_tokenizer()
@@ -168,7 +172,10 @@ def _warm_start(model, tokenizer) -> None:
     for _ in range(recipe["warm_start_steps"]):
         rows = [prompts.row(rng.randrange(1 << 30)) for _ in range(recipe["warm_start_batch"])]
         pairs = [
-            (tokenizer(r.prompt).input_ids, tokenizer(r.columns["answer"]).input_ids + [tokenizer.eos_token_id])
+            (
+                tokenizer(r.prompt).input_ids,
+                [*tokenizer(r.columns["answer"]).input_ids, tokenizer.eos_token_id],
+            )
             for r in rows
         ]
         width = max(len(p) + len(c) for p, c in pairs)
@@ -194,4 +201,6 @@ def load_tokenizer(path: str):  # -> PreTrainedTokenizerBase
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"model.path: cannot load a tokenizer from {path}: {first_line}") from None
+        raise ConfigError(
+            f"model.path: cannot load a tokenizer from {path}: {first_line}"
+        ) from None

@@ -21,7 +21,9 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), x, torch.zeros_like(x)).sum()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, token_count: float | None = None) -> torch.Tensor:
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, token_count: float | None = None
+) -> torch.Tensor:
     """Returns the mean of `x` over unmasked positions.
 
     `token_count` overrides the denominator: gradient accumulation passes the

@@ -20,7 +20,9 @@ from rlray.episode import Episode
 RewardFn = Callable[..., list[float | None]]
 
 
-def exact_match(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+def exact_match(
+    prompts: list[str], completions: list[str], answer: list[str], **_: Any
+) -> list[float]:
     """Returns 1.0 where the completion, stripped of surrounding white space, equals the
     answer, else 0.0."""
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
@@ -46,7 +48,9 @@ def load_rewards(specs: list[RewardSpec]) -> list[WeightedReward]:
         fn = BUILTIN_REWARDS.get(spec.name)
         if fn is None:
             known = ", ".join(sorted(BUILTIN_REWARDS))
-            raise ConfigError(f"reward.functions[{i}].name: unknown reward {spec.name!r}; built-ins: {known}")
+            raise ConfigError(
+                f"reward.functions[{i}].name: unknown reward {spec.name!r}; built-ins: {known}"
+            )
         try:
             inspect.signature(fn).bind_partial(["p"], ["c"], **spec.kwargs)
         except TypeError as err:
@@ -82,9 +86,8 @@ class RewardWorker:
         for reward in self.rewards:
             scores = reward.fn(prompts, completions, **columns, **reward.kwargs)
             if len(scores) != len(episodes):
-                raise ValueError(
-                    f"reward {reward.name} returned {len(scores)} scores for {len(episodes)} episodes"
-                )
+                got, want = len(scores), len(episodes)
+                raise ValueError(f"reward {reward.name} returned {got} scores for {want} episodes")
             for i, score in enumerate(scores):
                 value = None if score is None or math.isnan(score) else float(score)
                 episodes[i].reward_components[reward.name] = value

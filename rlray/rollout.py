@@ -20,7 +20,8 @@ from rlray.rewards import exact_match
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    # vLLM's CPU build warns at every start about tuning that does not apply here.
+    "VLLM_LOGGING_LEVEL": "ERROR",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -100,7 +101,9 @@ class RolloutWorker:
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(_DropRotaryReloadWarning())
 
-    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> tuple[list[Episode], GenerateStats]:
+    def generate(
+        self, rows: list[PromptRow], first_prompt_index: int
+    ) -> tuple[list[Episode], GenerateStats]:
         """Returns samples_per_prompt episodes per prompt, tagged with this worker's
         policy version, and a small stats record."""
         from vllm import SamplingParams
@@ -135,7 +138,9 @@ class RolloutWorker:
     def _episode(self, row: PromptRow, index: int, sample: int, output, now: float) -> Episode:
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
+        ]
         return Episode(
             run_id=self.run_id,
             episode_id=f"{self.run_id}-{index}-{sample}",

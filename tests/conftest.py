@@ -44,15 +44,26 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("w")
     process = subprocess.Popen(
         [
-            f"{bin_dir}/ray", "start", "--head", "--block",
-            "--port", str(port),
-            "--num-cpus", "8",
-            "--include-dashboard", "true",
-            "--dashboard-host", "127.0.0.1",
-            "--dashboard-port", str(dashboard_port),
+            f"{bin_dir}/ray",
+            "start",
+            "--head",
+            "--block",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "8",
+            "--include-dashboard",
+            "true",
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dashboard_port),
             "--disable-usage-stats",
         ],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
     cluster = RayCluster(address, f"http://127.0.0.1:{dashboard_port}", env)

@@ -11,21 +11,34 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A few fast steps: 32 episodes a step in two micro-batches, a small held-out set.
 SHORT_RUN = [
-    "--ppo.episodes_per_step", "32",
-    "--rollout.prompts_per_batch", "8",
-    "--ppo.minibatch_size", "16",
-    "--ppo.micro_batch_size", "8",
-    "--data.eval_size", "40",
-    "--learner.eval_every", "5",
-    "--learner.checkpoint_every", "3",
+    "--ppo.episodes_per_step",
+    "32",
+    "--rollout.prompts_per_batch",
+    "8",
+    "--ppo.minibatch_size",
+    "16",
+    "--ppo.micro_batch_size",
+    "8",
+    "--data.eval_size",
+    "40",
+    "--learner.eval_every",
+    "5",
+    "--learner.checkpoint_every",
+    "3",
 ]
 
 
-def run_job(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_job(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Returns the finished `python jobs/ppo.py ARGS` process (stdout and stderr text)."""
     return subprocess.run(
         [sys.executable, str(REPO / "jobs" / "ppo.py"), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

@@ -28,7 +28,9 @@ def system(ray_session, tmp_path_factory):
 
 def generate(actors, plan, first_index: int = 1000):
     rows = [plan.prompts.row(first_index + i) for i in range(4)]
-    episodes_ref, stats_ref = actors.rollout[0].generate.options(num_returns=2).remote(rows, first_index)
+    episodes_ref, stats_ref = (
+        actors.rollout[0].generate.options(num_returns=2).remote(rows, first_index)
+    )
     wait_for(stats_ref, "rollout-0", "generate", 120)
     return episodes_ref
 
@@ -47,8 +49,11 @@ def test_weight_sync_changes_generation_and_keeps_parity(system):
     # Same prompts, same sampling seeds: only the weights differ.
     assert [e.rollout_logprobs for e in after] != [e.rollout_logprobs for e in before]
     learner_logprobs = ray.get(actors.learner.logprobs.remote(after))
-    gaps = [abs(a - b) for e, lp in zip(after, learner_logprobs, strict=True)
-            for a, b in zip(e.rollout_logprobs, lp, strict=True)]
+    gaps = [
+        abs(a - b)
+        for e, lp in zip(after, learner_logprobs, strict=True)
+        for a, b in zip(e.rollout_logprobs, lp, strict=True)
+    ]
     assert max(gaps) <= 1e-4
     driver.drain()
 
@@ -76,7 +81,9 @@ def test_stale_batches_are_dropped_before_the_learner_sees_them(system):
 
 def test_dead_rollout_actor_is_named(system):
     plan, actors = system
-    driver = PPODriver(plan, actors, version=ray.get(actors.learner.state.remote())["version"], prompt_cursor=0)
+    driver = PPODriver(
+        plan, actors, version=ray.get(actors.learner.state.remote())["version"], prompt_cursor=0
+    )
     driver.worker_versions = [driver.learner_version]
     ray.kill(actors.rollout[0], no_restart=True)
     with pytest.raises(ActorFailure, match="rollout-0"):

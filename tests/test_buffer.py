@@ -6,8 +6,13 @@ from rlray.buffer import BufferedBatch, EpisodeBuffer
 
 
 def batch(version: int, size: int = 4, batch_id: int = 0) -> BufferedBatch:
-    return BufferedBatch(ref=[f"ref-{batch_id}"], policy_version=version, num_episodes=size,
-                         first_prompt_index=batch_id * 10, batch_id=batch_id)
+    return BufferedBatch(
+        ref=[f"ref-{batch_id}"],
+        policy_version=version,
+        num_episodes=size,
+        first_prompt_index=batch_id * 10,
+        batch_id=batch_id,
+    )
 
 
 def test_reservations_count_against_capacity():

@@ -2,7 +2,14 @@
 
 import pytest
 
-from rlray.config import Config, ConfigError, build_parser, leaf_fields, parse_command_line, validate
+from rlray.config import (
+    Config,
+    ConfigError,
+    build_parser,
+    leaf_fields,
+    parse_command_line,
+    validate,
+)
 
 
 def test_defaults_validate():
@@ -56,12 +63,15 @@ def test_bad_command_line_names_the_field(argv, message):
 def test_unknown_yaml_field_suggests_the_closest(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("rollout:\n  num_worker: 2\n")
-    with pytest.raises(ConfigError, match=r"unknown config field 'rollout.num_worker' \(did you mean 'rollout.num_workers'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config field 'rollout.num_worker' \(did you mean 'rollout.num_workers'\?\)",
+    ):
         parse_command_line(["--config", str(path)])
 
 
 def test_missing_config_file_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
         parse_command_line(["--config", str(tmp_path / "nope.yaml")])
 
 
@@ -71,9 +81,18 @@ def test_missing_config_file_is_named(tmp_path):
         (["--rollout.prompts_per_batch", "-4"], "rollout.prompts_per_batch must be > 0, got -4"),
         (["--ppo.gamma", "1.5"], r"ppo.gamma must be in \[0, 1\], got 1.5"),
         (["--ppo.kl_estimator", "k2"], "ppo.kl_estimator must be one of k1, k3; got 'k2'"),
-        (["--ppo.minibatch_size", "24"], r"ppo.minibatch_size \(24\) must divide ppo.episodes_per_step"),
-        (["--buffer.capacity_episodes", "32"], r"buffer.capacity_episodes \(32\) must hold one learner step"),
-        (["--learner.sync_every", "3"], r"buffer.max_staleness \(0\) must be >= learner.sync_every - 1"),
+        (
+            ["--ppo.minibatch_size", "24"],
+            r"ppo.minibatch_size \(24\) must divide ppo.episodes_per_step",
+        ),
+        (
+            ["--buffer.capacity_episodes", "32"],
+            r"buffer.capacity_episodes \(32\) must hold one learner step",
+        ),
+        (
+            ["--learner.sync_every", "3"],
+            r"buffer.max_staleness \(0\) must be >= learner.sync_every - 1",
+        ),
     ],
 )
 def test_validate_names_the_bad_field(argv, message):
@@ -88,5 +107,5 @@ def test_resume_reads_the_runs_own_config(tmp_path):
     assert command.resume_dir == tmp_path
     assert command.config.seed == 3
     assert command.config.learner.steps == 8
-    with pytest.raises(ConfigError, match="no config.yaml"):
+    with pytest.raises(ConfigError, match=r"no config\.yaml"):
         parse_command_line(["--resume", str(tmp_path / "missing")])

@@ -27,7 +27,9 @@ def five_step_runs(job_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     done = {}
     for name, steps in (("a", 5), ("b", 5), ("resumed", 3)):
-        result = run_job([*SHORT_RUN, "--learner.steps", str(steps), "--run-dir", str(root / name)], job_env)
+        result = run_job(
+            [*SHORT_RUN, "--learner.steps", str(steps), "--run-dir", str(root / name)], job_env
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         done[name] = result
     done["resume"] = run_job(["--resume", str(root / "resumed"), "--learner.steps", "5"], job_env)
@@ -44,7 +46,9 @@ def test_short_run_advances_policy_and_keeps_logprob_parity(five_step_runs):
     # Strict on-policy: every batch was made by the weights the learner had.
     assert all(r["staleness_mean"] == 0 for r in records)
     # After every sync vLLM's sampled-token logprobs equal the learner's.
-    assert all(r["logprob_parity_error"] is not None and r["logprob_parity_error"] <= 1e-4 for r in records)
+    assert all(
+        r["logprob_parity_error"] is not None and r["logprob_parity_error"] <= 1e-4 for r in records
+    )
     assert all(r["weight_sync_seconds"] > 0 for r in records)
     summary = json.loads((root / "a" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["episodes"] == 5 * 32
@@ -70,7 +74,9 @@ def test_resumed_run_continues_where_it_stopped(five_step_runs):
     # steps the uninterrupted run took.
     uninterrupted = metrics(root / "a")
     for one, two in zip(resumed[3:], uninterrupted[3:], strict=True):
-        assert {k: one[k] for k in TRAINING_VALUES} == pytest.approx({k: two[k] for k in TRAINING_VALUES}, rel=1e-5)
+        assert {k: one[k] for k in TRAINING_VALUES} == pytest.approx(
+            {k: two[k] for k in TRAINING_VALUES}, rel=1e-5
+        )
     assert resumed[3]["logprob_parity_error"] <= 1e-4  # vLLM started from the checkpoint
 
 
@@ -79,7 +85,9 @@ def test_checkpoint_loads_in_transformers(five_step_runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, _ = five_step_runs
-    latest = root / "a" / "checkpoints" / (root / "a" / "checkpoints" / "latest").read_text().strip()
+    latest = (
+        root / "a" / "checkpoints" / (root / "a" / "checkpoints" / "latest").read_text().strip()
+    )
     model = AutoModelForCausalLM.from_pretrained(latest / "policy")
     tokenizer = AutoTokenizer.from_pretrained(latest / "policy")
     assert model.config.model_type == "qwen2"
@@ -95,7 +103,9 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "message"), BAD_INPUTS, ids=[m.split(":")[0].split(" ")[0] for _, m in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("args", "message"), BAD_INPUTS, ids=[m.split(":")[0].split(" ")[0] for _, m in BAD_INPUTS]
+)
 def test_bad_input_is_one_line_exit_2_before_any_actor(args, message, tmp_path):
     if "LONG" in args:
         prompts = tmp_path / "long.jsonl"
@@ -122,26 +132,56 @@ def test_ray_job_submit_runs_the_job_to_success(ray_cluster, tmp_path):
     run_dir = tmp_path / "submitted"
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     submit = subprocess.run(
-        [ray, "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", str(REPO),
-         "--no-wait", "--", "python", "jobs/ppo.py", *SHORT_RUN, "--learner.steps", "2",
-         "--run-dir", str(run_dir)],
-        cwd=REPO, env=ray_cluster.env, capture_output=True, text=True, timeout=120,
+        [
+            ray,
+            "job",
+            "submit",
+            "--address",
+            ray_cluster.dashboard_url,
+            "--working-dir",
+            str(REPO),
+            "--no-wait",
+            "--",
+            "python",
+            "jobs/ppo.py",
+            *SHORT_RUN,
+            "--learner.steps",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        env=ray_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert submit.returncode == 0, submit.stderr
-    job_id = next(w.strip("'") for line in submit.stdout.splitlines() for w in line.split() if w.strip("'").startswith("raysubmit_"))
+    job_id = next(
+        w.strip("'")
+        for line in submit.stdout.splitlines()
+        for w in line.split()
+        if w.strip("'").startswith("raysubmit_")
+    )
     status = ""
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         status = subprocess.run(
             [ray, "job", "status", "--address", ray_cluster.dashboard_url, job_id],
-            env=ray_cluster.env, capture_output=True, text=True, timeout=60,
+            env=ray_cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout
         if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
             break
         time.sleep(3)
     logs = subprocess.run(
         [ray, "job", "logs", "--address", ray_cluster.dashboard_url, job_id],
-        env=ray_cluster.env, capture_output=True, text=True, timeout=60,
+        env=ray_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     ).stdout
     assert "SUCCEEDED" in status, logs[-3000:]
     assert (run_dir / "summary.json").is_file()

@@ -14,8 +14,10 @@ def test_exact_match_strips_white_space_only():
 
 def test_reward_worker_sets_total_and_components():
     worker = RewardWorker("reward-0", [RewardSpec("exact_match", weight=2.0)])
-    episodes = [make_episode(completion="42", reward=None, reward_components={}),
-                make_episode(completion="41", reward=None, reward_components={})]
+    episodes = [
+        make_episode(completion="42", reward=None, reward_components={}),
+        make_episode(completion="41", reward=None, reward_components={}),
+    ]
     scored, stats = worker.score(episodes)
     assert [e.reward for e in scored] == [2.0, 0.0]
     assert [e.reward_components for e in scored] == [{"exact_match": 1.0}, {"exact_match": 0.0}]

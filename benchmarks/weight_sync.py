@@ -1,0 +1,121 @@
+"""Weight-sync seconds against state-dict size, with one and two rollout workers.
+
+For each model, in one run: the real sync path (the learner actor publishes its
+weights once into the object store, every rollout actor loads them into vLLM in place
+and resets its prefix cache; PPODriver.sync_weights), timed from the driver, against
+one in-memory copy of the same bytes (clone of every tensor of the state dict) in this
+process. Models: the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same
+architecture (random weights, built here, never downloaded). Goal: sync <= 3x copy.
+
+    python benchmarks/weight_sync.py [--repeats 5] [--skip-large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray
+import torch
+
+from rlray.actors import start_actors
+from rlray.config import Config
+from rlray.data import eval_rows, train_prompts
+from rlray.driver import PPODriver, RunPlan
+from rlray.models import build_char_tokenizer, resolve_model_path
+
+
+def build_large_model(out: Path) -> Path:
+    """Saves a random ~0.5 GB (fp32) Qwen2: hidden 1024, 8 layers, head_dim 64."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def one_copy_seconds(model_path: str, repeats: int) -> tuple[float, int]:
+    """Returns (median seconds of one clone of the state dict, its size in bytes)."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        copy = {name: tensor.clone() for name, tensor in state.items()}
+        times.append(time.perf_counter() - started)
+        del copy
+    return statistics.median(times), size
+
+
+def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> float:
+    """Returns the median wall seconds of PPODriver.sync_weights with `workers` actors."""
+    config = Config()
+    config.rollout.num_workers = workers
+    config.run_dir = str(run_dir)
+    plan = RunPlan(
+        config,
+        run_dir,
+        "bench",
+        model_path,
+        train_prompts(config.data, 0),
+        eval_rows(config.data),
+        None,
+    )
+    actors = start_actors(config, model_path, "bench", None)
+    try:
+        driver = PPODriver(plan, actors, version=0, prompt_cursor=0)
+        driver.sync_weights()  # warm-up
+        return statistics.median(
+            driver.sync_weights()["weight_sync_seconds"] for _ in range(repeats)
+        )
+    finally:
+        actors.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-large", action="store_true")
+    args = parser.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory(prefix="rlray-bench-") as scratch:
+        models = {"tiny": resolve_model_path(Config().model.path)}
+        if not args.skip_large:
+            models["large"] = str(build_large_model(Path(scratch) / "large"))
+        for name, path in models.items():
+            copy, size = one_copy_seconds(path, args.repeats)
+            for workers in (1, 2):
+                sync = sync_seconds(path, workers, args.repeats, Path(scratch) / "run")
+                print(
+                    f"{name:<5} {size / 2**20:8.1f} MiB  workers {workers}  sync {sync:8.4f} s  "
+                    f"one copy {copy:8.4f} s  ratio {sync / copy:6.2f}",
+                    flush=True,
+                )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
