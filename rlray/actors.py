@@ -114,14 +114,28 @@ class Actors:
 
 
 def connect(address: str, num_cpus: int) -> None:
-    """Joins the cluster in `address` or RAY_ADDRESS, else starts a local Ray."""
+    """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
+    starts a new single-node Ray for this job, even if a `ray start` cluster runs here."""
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS", "")
     if target:
-        ray.init(address=target, log_to_driver=True)
+        _send_auth_token_if_any()
+        ray.init(address=target)
     else:
-        ray.init(num_cpus=num_cpus or None, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+
+
+def _send_auth_token_if_any() -> None:
+    # `ray start` turns token authentication on when ~/.ray/auth_token exists, but a
+    # client joining with ray.init(address=...) sends the token only in token mode
+    # (Ray 2.60): without this, joining fails with "InvalidAuthToken". This is what
+    # `ray start` itself calls; it also refreshes Ray's cached config.
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def required_cpus(config: Config) -> float:

@@ -19,6 +19,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Token authentication on, as `ray start` has it whenever ~/.ray/auth_token exists;
+# every client of the session's cluster (this process, jobs, the CLI) sends the token.
+# Set before anything imports ray, which reads it once.
+os.environ["RAY_AUTH_MODE"] = "token"
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -39,8 +44,15 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     tests' actors never wait on each other) and stops it at the end of the session."""
     port, dashboard_port = free_port(), free_port()
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     # Jobs submitted to this cluster run `python` from the same virtualenv.
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run(
+        [f"{bin_dir}/ray", "get-auth-token", "--generate"],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("w")
     process = subprocess.Popen(
         [
@@ -67,20 +79,23 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     )
     address = f"127.0.0.1:{port}"
     cluster = RayCluster(address, f"http://127.0.0.1:{dashboard_port}", env)
-    _wait_until_up(cluster, process)
-    yield cluster
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    process.terminate()
     try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        _wait_until_up(cluster, process)
+        yield cluster
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        process.terminate()  # `ray start --block` stops its processes on SIGTERM
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
 
 
 def _wait_until_up(cluster: RayCluster, process: subprocess.Popen) -> None:
+    import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + 120
@@ -90,6 +105,8 @@ def _wait_until_up(cluster: RayCluster, process: subprocess.Popen) -> None:
         try:
             with urllib.request.urlopen(f"{cluster.dashboard_url}/api/version", timeout=2):
                 return
+        except urllib.error.HTTPError:
+            return  # it answers (token authentication refuses anonymous requests)
         except OSError:
             time.sleep(1)
     raise RuntimeError("ray start --head did not bring up the dashboard within 120 s")

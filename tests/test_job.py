@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.jobs_helper import REPO, SHORT_RUN, metrics, run_job
 
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 TRAINING_VALUES = ("reward_mean", "policy_loss", "value_loss", "kl", "entropy", "clip_fraction")
 
 
@@ -157,32 +160,29 @@ def test_ray_job_submit_runs_the_job_to_success(ray_cluster, tmp_path):
         timeout=120,
     )
     assert submit.returncode == 0, submit.stderr
-    job_id = next(
-        w.strip("'")
-        for line in submit.stdout.splitlines()
-        for w in line.split()
-        if w.strip("'").startswith("raysubmit_")
-    )
-    status = ""
+    job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+    client = JobSubmissionClient(ray_cluster.dashboard_url)
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        status = subprocess.run(
-            [ray, "job", "status", "--address", ray_cluster.dashboard_url, job_id],
-            env=ray_cluster.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
-            break
-        time.sleep(3)
-    logs = subprocess.run(
-        [ray, "job", "logs", "--address", ray_cluster.dashboard_url, job_id],
-        env=ray_cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    assert "SUCCEEDED" in status, logs[-3000:]
+    while client.get_job_status(job_id) not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(2)
+    status, logs = client.get_job_status(job_id), client.get_job_logs(job_id)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
     assert (run_dir / "summary.json").is_file()
     assert "done: 2 steps" in logs
+
+
+@pytest.mark.slow
+def test_default_job_raises_held_out_accuracy_by_20_points(job_env, tmp_path):
+    """The job `make run` runs, with every default: PPO must teach the tiny model."""
+    run_dir = tmp_path / "default"
+    result = run_job(["--run-dir", str(run_dir)], job_env, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    gain = summary["final_eval_accuracy"] - summary["initial_eval_accuracy"]
+    assert gain >= 0.20, summary
+    evals = [
+        r
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "eval_accuracy" in r
+    ]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == summary["steps"]
