@@ -26,6 +26,8 @@ from rlray.models import load_tokenizer, resolve_model_path
 from rlray.rewards import load_rewards
 from rlray.rollout import EvalResult, GenerateStats
 
+PARITY_PROBE_PROMPTS = 2
+
 
 @dataclass
 class RunPlan:
@@ -126,6 +128,7 @@ class PPODriver:
         self.next_batch_id = 0
         self.tally = RolloutTally()
         self.published: Any = None
+        self.parity_probe: Any = None
 
     # ------------------------------------------------------------------ generation
 
@@ -254,10 +257,25 @@ class PPODriver:
             wait_for(ref, name, "weight load", self.timeout)
             for ref, name in zip(loads, self.actors.rollout_names, strict=True)
         ]
+        if self.config.buffer.max_staleness > 0:
+            self._probe_parity()
         return {
             "weight_sync_seconds": time.perf_counter() - started,
             "weight_load_seconds": max(load_seconds),
         }
+
+    def _probe_parity(self) -> None:
+        """Has the learner check this sync's logprob parity on a few fresh episodes.
+
+        With max_staleness >= 1 training batches are mostly a version old, so the
+        learner cannot compare them with its current weights. A small batch of held-out
+        prompts (negative prompt indexes; never trained on) generated right after the
+        sync goes to the learner, which checks it before its next update: actor calls
+        from this driver run in the order they were made."""
+        rows = self.plan.eval_rows[:PARITY_PROBE_PROMPTS]
+        worker = self.actors.rollout[0]
+        episodes, _ = worker.generate.options(num_returns=2).remote(rows, -len(rows))
+        self.parity_probe = self.actors.learner.check_parity.remote(episodes)
 
     def evaluate(self) -> EvalResult:
         """Returns greedy held-out accuracy, measured on rollout-0 at its current version."""

@@ -153,6 +153,7 @@ class Learner:
         self.shuffle = torch.Generator().manual_seed(seed)
         self.version = 0
         self.prompt_cursor = 0
+        self.probe_parity: float | None = None
         if checkpoint:
             self._load_state(Path(checkpoint))
 
@@ -169,13 +170,15 @@ class Learner:
         values = self.critic(batch.input_ids, batch.attention_mask)  # (B, L)
         return values.gather(1, batch.positions).float()  # (B, T)
 
+    def _token_logprobs(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        """Returns (B, T) logprobs of the completion tokens under `model`, no gradient."""
+        with torch.no_grad():
+            return pm.token_logprobs(self._completion_logits(model, batch), batch.completion_ids)
+
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Returns the policy's logprob of every completion token of each episode."""
         batch = self._to_device(collate(episodes, self.pad_token_id))
-        with torch.no_grad():
-            logp = pm.token_logprobs(
-                self._completion_logits(self.policy, batch), batch.completion_ids
-            )
+        logp = self._token_logprobs(self.policy, batch)
         return [logp[i, : len(e.completion_token_ids)].tolist() for i, e in enumerate(episodes)]
 
     def _to_device(self, batch: TokenBatch) -> TokenBatch:
@@ -189,15 +192,14 @@ class Learner:
         ppo = self.ppo
         batch = self._to_device(collate(episodes, self.pad_token_id))
         mask = batch.mask
+        current_logp = self._token_logprobs(self.policy, batch)
+        ref_logp = self._token_logprobs(self.reference, batch)
         with torch.no_grad():
-            current_logp = pm.token_logprobs(
-                self._completion_logits(self.policy, batch), batch.completion_ids
-            )
-            ref_logp = pm.token_logprobs(
-                self._completion_logits(self.reference, batch), batch.completion_ids
-            )
             old_values = self._completion_values(batch)
         parity = self._parity_error(episodes, current_logp, batch)
+        if parity is None:  # nothing fresh in this batch: report the post-sync probe
+            parity = self.probe_parity
+        self.probe_parity = None
         # The behaviour policy's logprobs (vLLM's) make the importance ratio exact for
         # stale episodes too; on fresh ones they equal current_logp (parity check).
         old_logp = batch.rollout_logprobs
@@ -231,6 +233,16 @@ class Learner:
             learner_seconds=seconds,
             completion_length_mean=float(mask.sum(dim=1).mean()),
         )
+
+    def check_parity(self, episodes: list[Episode]) -> float | None:
+        """Records (and returns) the parity error of a probe batch made right after a
+        weight sync. With max_staleness >= 1 training batches are usually a version old,
+        so without a probe a corrupted sync would go unseen; the next train_step reports
+        it when its own batch has no fresh episodes."""
+        batch = self._to_device(collate(episodes, self.pad_token_id))
+        current_logp = self._token_logprobs(self.policy, batch)
+        self.probe_parity = self._parity_error(episodes, current_logp, batch)
+        return self.probe_parity
 
     def _parity_error(
         self, episodes: list[Episode], current_logp: torch.Tensor, batch: TokenBatch

@@ -97,6 +97,25 @@ def test_checkpoint_loads_in_transformers(five_step_runs):
     assert tokenizer("12+3=").input_ids
 
 
+@pytest.mark.slow
+def test_two_workers_with_staleness_one_overlap_generation_and_training(job_env, tmp_path):
+    run_dir = tmp_path / "overlap"
+    args = [*SHORT_RUN, "--learner.steps", "6", "--rollout.num_workers", "2"]
+    result = run_job([*args, "--buffer.max_staleness", "1", "--run-dir", str(run_dir)], job_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(run_dir)
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5, 6]
+    # Batches generated while the learner trained were one version old, never more.
+    assert all(0 <= r["staleness_mean"] <= 1 for r in records)
+    assert any(r["staleness_mean"] > 0 for r in records)
+    # Both workers generated, and both loaded new versions as they came.
+    seen = {name: version for r in records for name, version in r["worker_policy_versions"].items()}
+    assert set(seen) == {"rollout-0", "rollout-1"}
+    assert all(version >= 3 for version in seen.values())
+    # Every sync's parity is checked, on the fresh training batch or a post-sync probe.
+    assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
+
+
 BAD_INPUTS = [
     (["--model", "/no/such/model"], "model.path: no such model directory: /no/such/model"),
     (["--ppo.clipp", "0.1"], "unknown config field '--ppo.clipp' (did you mean '--ppo.clip'?)"),
