@@ -50,7 +50,7 @@ def main() -> None:
     rows = [train_prompts(config.data, 0).row(i) for i in range(args.prompts)]
     samples = config.rollout.samples_per_prompt
     worker = RolloutWorker("bench", model_path, config.model, config.rollout, "bench", seed=0)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor = (
         ray.remote(RolloutActor)
         .options(num_cpus=1, runtime_env={"env_vars": vllm_env(config.rollout)})

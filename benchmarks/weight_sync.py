@@ -70,8 +70,9 @@ def one_copy_seconds(model_path: str, repeats: int) -> tuple[float, int]:
     return statistics.median(times), size
 
 
-def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> float:
-    """Returns the median wall seconds of PPODriver.sync_weights with `workers` actors."""
+def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> tuple[float, float]:
+    """Returns the median wall seconds of PPODriver.sync_weights with `workers` actors,
+    and the median of its slowest worker's load (vLLM reload + prefix-cache reset)."""
     config = Config()
     config.rollout.num_workers = workers
     config.run_dir = str(run_dir)
@@ -88,8 +89,10 @@ def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> 
     try:
         driver = PPODriver(plan, actors, version=0, prompt_cursor=0)
         driver.sync_weights()  # warm-up
-        return statistics.median(
-            driver.sync_weights()["weight_sync_seconds"] for _ in range(repeats)
+        timings = [driver.sync_weights() for _ in range(repeats)]
+        return (
+            statistics.median(t["weight_sync_seconds"] for t in timings),
+            statistics.median(t["weight_load_seconds"] for t in timings),
         )
     finally:
         actors.kill()
@@ -100,7 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true")
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="rlray-bench-") as scratch:
         models = {"tiny": resolve_model_path(Config().model.path)}
         if not args.skip_large:
@@ -108,10 +111,11 @@ def main() -> None:
         for name, path in models.items():
             copy, size = one_copy_seconds(path, args.repeats)
             for workers in (1, 2):
-                sync = sync_seconds(path, workers, args.repeats, Path(scratch) / "run")
+                sync, load = sync_seconds(path, workers, args.repeats, Path(scratch) / "run")
                 print(
                     f"{name:<5} {size / 2**20:8.1f} MiB  workers {workers}  sync {sync:8.4f} s  "
-                    f"one copy {copy:8.4f} s  ratio {sync / copy:6.2f}",
+                    f"(slowest worker load {load:8.4f} s)  one copy {copy:8.4f} s  "
+                    f"ratio {sync / copy:6.2f}",
                     flush=True,
                 )
     ray.shutdown()
