@@ -86,5 +86,9 @@ def test_dead_rollout_actor_is_named(system):
     )
     driver.worker_versions = [driver.learner_version]
     ray.kill(actors.rollout[0], no_restart=True)
-    with pytest.raises(ActorFailure, match="rollout-0"):
+    with pytest.raises(ActorFailure, match="rollout-0") as failure:
         driver.train_step()
+    message = str(failure.value)
+    assert "\n" not in message
+    assert "rollout-0 died during generate: " in message
+    assert "ray.kill" in message  # the actor's last error, as Ray reported it
