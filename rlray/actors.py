@@ -168,7 +168,7 @@ def start_actors(config: Config, model_path: str, run_id: str, checkpoint: str |
     reward = [
         ray.remote(RewardWorker)
         .options(name=name, num_cpus=config.reward.cpus_per_worker)
-        .remote(name, config.reward.functions)
+        .remote(name, config.reward.functions, config.reward.on_failure, config.reward.batch_size)
         for name in reward_names
     ]
     buffer = (

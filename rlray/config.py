@@ -87,21 +87,38 @@ class RolloutConfig:
 @dataclass
 class RewardSpec:
     name: str = "exact_match"
-    """A built-in reward name."""
+    """A built-in reward name (README lists them), or an import path to your own:
+    "mypkg.rewards:fn" or "path/to/file.py:fn"."""
     weight: float = 1.0
-    """Weight of this component in the total reward."""
+    """Weight of this component in the total reward (used when there is no schedule)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the reward function on every call."""
+    """Keyword arguments for the reward: passed on every call to a function, or once to
+    a class's constructor (model-based rewards load their model there)."""
+    schedule: list[list[float]] = field(default_factory=list)
+    """Weight over training steps as [[step, weight], ...] points; empty keeps `weight`
+    constant. Before the first point its weight holds, after the last the last's."""
+    interpolation: str = "linear"
+    """Between schedule points: linear (ramps) or step (each point's weight holds until
+    the next point: piecewise constant)."""
+    timeout_s: float = 60.0
+    """Longest one call of this reward on a scoring batch; past it the component fails
+    for that batch's episodes."""
 
 
 @dataclass
 class RewardConfig:
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    """Reward components f(prompts, completions, **columns) -> list[float]; the total is
-    their weighted sum. On the command line, a YAML list:
+    """Reward components f(prompts, completions, **columns) -> list[float | None]; the
+    total is their weighted sum. On the command line, a YAML list:
     '[{name: exact_match, weight: 1.0}]'."""
+    on_failure: str = "skip_component"
+    """When a component raises, times out or gives NaN/None for an episode:
+    skip_component (total from the other components) or drop_episode (not trained on).
+    Either way it is counted and the first error of each reward is logged once."""
+    batch_size: int = 64
+    """Episodes per call of a reward function (a rollout batch is scored in such pieces)."""
     num_workers: int = 1
-    """Reward-scoring actors."""
+    """Reward-scoring actors; rollout batches go to them in turn."""
     cpus_per_worker: float = 0.5
     """CPUs reserved per reward actor."""
 
@@ -460,6 +477,7 @@ def validate(config: Config) -> None:
         "rollout.max_new_tokens": r.max_new_tokens,
         "rollout.kv_cache_gib": r.kv_cache_gib,
         "reward.num_workers": config.reward.num_workers,
+        "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
         "ppo.episodes_per_step": p.episodes_per_step,
         "ppo.epochs": p.epochs,
@@ -533,6 +551,22 @@ def validate(config: Config) -> None:
         )
     if not config.reward.functions:
         raise ConfigError("reward.functions must name at least one reward")
+    _check_choice("reward.on_failure", config.reward.on_failure, ("skip_component", "drop_episode"))
+    for i, spec in enumerate(config.reward.functions):
+        _check_reward_spec(f"reward.functions[{i}]", spec)
+
+
+def _check_reward_spec(name: str, spec: RewardSpec) -> None:
+    _check_choice(f"{name}.interpolation", spec.interpolation, ("linear", "step"))
+    if not spec.timeout_s > 0:
+        raise ConfigError(f"{name}.timeout_s must be > 0, got {spec.timeout_s}")
+    if any(len(point) != 2 for point in spec.schedule):
+        raise ConfigError(
+            f"{name}.schedule: each point must be [step, weight], got {spec.schedule}"
+        )
+    steps = [point[0] for point in spec.schedule]
+    if steps != sorted(steps) or len(set(steps)) != len(steps) or any(s < 0 for s in steps):
+        raise ConfigError(f"{name}.schedule: steps must be >= 0 and increasing, got {steps}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ from rlray.config import Config, ConfigError, config_to_dict
 from rlray.data import PromptRow, PromptSource, check_prompts_fit, eval_rows, train_prompts
 from rlray.learner import latest_checkpoint, metrics_dict
 from rlray.models import load_tokenizer, resolve_model_path
-from rlray.rewards import load_rewards
+from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
 
 PARITY_PROBE_PROMPTS = 2
@@ -49,11 +49,12 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     Resolves the model (building the embedded one on first use), reads the prompts,
     checks that every prompt fits the context window and that reward functions load.
     """
-    load_rewards(config.reward.functions)
-    model_path = resolve_model_path(config.model.path)
-    tokenizer = load_tokenizer(model_path)
     prompts = train_prompts(config.data, config.seed)
     held_out = eval_rows(config.data)
+    config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
+    check_rewards(config.reward.functions, set(prompts.row(0).columns))
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = load_tokenizer(model_path)
     for source, rows in (("data.train", prompts.longest_prompts()), ("data.eval", held_out)):
         counts = [len(ids) for ids in tokenizer([r.prompt for r in rows]).input_ids]
         check_prompts_fit(
@@ -90,6 +91,8 @@ class InFlight:
     policy_version: int
     num_episodes: int
     first_prompt_index: int
+    generated: GenerateStats | None = None
+    """Set when generation is done: the rollout worker is free while scoring runs."""
 
 
 @dataclass
@@ -100,6 +103,10 @@ class RolloutTally:
     generate_seconds: float = 0.0
     episodes: int = 0
     reward_seconds: float = 0.0
+    reward_wait_seconds: float = 0.0
+    """Time the driver waited with every batch generated and only scoring pending."""
+    reward_failures: dict[str, int] = field(default_factory=dict)
+    reward_dropped: int = 0
     per_worker_version: dict[str, int] = field(default_factory=dict)
 
     def tokens_per_s(self) -> float | None:
@@ -133,7 +140,7 @@ class PPODriver:
     # ------------------------------------------------------------------ generation
 
     def _busy_workers(self) -> set[int]:
-        return {item.worker_index for item in self.in_flight}
+        return {item.worker_index for item in self.in_flight if item.generated is None}
 
     def _may_generate(self, worker: int) -> bool:
         """Whether a batch started now on `worker` would still be fresh when trained."""
@@ -162,8 +169,9 @@ class PPODriver:
         )
         reward_index = self.next_reward
         self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
-        scored, score_stats = (
-            self.actors.reward[reward_index].score.options(num_returns=2).remote(episodes)
+        scorer = self.actors.reward[reward_index]
+        scored, score_stats = scorer.score.options(num_returns=2).remote(
+            episodes, self.learner_version
         )
         self.in_flight.append(
             InFlight(
@@ -179,38 +187,56 @@ class PPODriver:
             )
         )
 
-    def _collect_one(self) -> None:
-        """Waits for one in-flight batch to be scored and hands its reference to the buffer."""
+    def _collect(self) -> None:
+        """Waits until some in-flight batch finishes generating (its worker is free again)
+        or scoring (its reference goes to the buffer), and handles what finished."""
         if not self.in_flight:
             raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
-        pending = [item.score_stats for item in self.in_flight]
+        generating = [item.generate_stats for item in self.in_flight if item.generated is None]
+        pending = generating + [item.score_stats for item in self.in_flight]
+        started = time.perf_counter()
         ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout)
+        if not generating:
+            self.tally.reward_wait_seconds += time.perf_counter() - started
         if not ready:
             names = sorted({f"{i.rollout_name}/{i.reward_name}" for i in self.in_flight})
             raise ActorFailure(
-                f"{', '.join(names)}: no rollout batch finished within {self.timeout:.0f} s"
+                f"{', '.join(names)}: no batch progressed within {self.timeout:.0f} s"
             )
-        item = next(i for i in self.in_flight if i.score_stats == ready[0])
+        ready_refs = set(ready)
+        for item in list(self.in_flight):
+            if item.generated is None and item.generate_stats in ready_refs:
+                self._generated(item)
+            if item.score_stats in ready_refs:
+                self._scored(item)
+
+    def _generated(self, item: InFlight) -> None:
+        gen = wait_for(item.generate_stats, item.rollout_name, "generate", self.timeout)
+        item.generated = gen
+        self.tally.completion_tokens += gen.completion_tokens
+        self.tally.generate_seconds += gen.seconds
+        self.tally.episodes += gen.episodes
+        self.tally.per_worker_version[gen.worker] = gen.policy_version
+
+    def _scored(self, item: InFlight) -> None:
+        if item.generated is None:
+            self._generated(item)
+        score: ScoreStats = wait_for(item.score_stats, item.reward_name, "score", self.timeout)
         self.in_flight.remove(item)
-        gen: GenerateStats = wait_for(
-            item.generate_stats, item.rollout_name, "generate", self.timeout
-        )
-        score = wait_for(item.score_stats, item.reward_name, "score", self.timeout)
         batch = BufferedBatch(
             ref=[item.episodes],
-            policy_version=gen.policy_version,
-            num_episodes=gen.episodes,
+            policy_version=item.generated.policy_version,
+            num_episodes=item.generated.episodes,
             first_prompt_index=item.first_prompt_index,
             batch_id=self.next_batch_id,
         )
         self.next_batch_id += 1
         self._call("buffer", self.actors.buffer.add.remote(batch), "add")
-        self.buffered_episodes += gen.episodes
-        self.tally.completion_tokens += gen.completion_tokens
-        self.tally.generate_seconds += gen.seconds
-        self.tally.episodes += gen.episodes
+        self.buffered_episodes += batch.num_episodes
         self.tally.reward_seconds += score.seconds
-        self.tally.per_worker_version[gen.worker] = gen.policy_version
+        self.tally.reward_dropped += score.dropped
+        for name, count in score.failures.items():
+            self.tally.reward_failures[name] = self.tally.reward_failures.get(name, 0) + count
 
     # ------------------------------------------------------------------ learning
 
@@ -225,7 +251,7 @@ class PPODriver:
             )
             if taken is not None:
                 break
-            self._collect_one()
+            self._collect()
         self.buffered_episodes -= sum(b.num_episodes for b in taken.batches + taken.dropped)
         train = self.actors.learner.train_on.remote([b.ref for b in taken.batches], self.timeout)
         self.learner_version += 1
@@ -240,6 +266,9 @@ class PPODriver:
             "dropped_stale_this_step": sum(b.num_episodes for b in taken.dropped),
             "rollout_tokens_per_s": tally.tokens_per_s(),
             "reward_seconds": tally.reward_seconds,
+            "reward_wait_seconds": tally.reward_wait_seconds,
+            "reward_failures": tally.reward_failures,
+            "reward_dropped_episodes": tally.reward_dropped,
             "worker_policy_versions": tally.per_worker_version,
         }
 

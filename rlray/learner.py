@@ -89,6 +89,8 @@ class StepMetrics:
     policy_version: int
     episodes: int
     reward_mean: float
+    reward_components: dict[str, float]
+    """Mean of each reward component over the episodes it scored."""
     policy_loss: float
     value_loss: float
     kl: float
@@ -187,9 +189,16 @@ class Learner:
     # ------------------------------------------------------------------ one PPO step
 
     def train_step(self, episodes: list[Episode]) -> StepMetrics:
-        """Runs one PPO update (epochs x mini-batches) on the episodes; returns metrics."""
+        """Runs one PPO update (epochs x mini-batches) on the episodes; returns metrics.
+
+        Episodes without a reward (dropped by a failing reward component under
+        reward.on_failure=drop_episode) are left out; if none is left, raises ValueError
+        rather than silently train on nothing."""
         started = time.perf_counter()
         ppo = self.ppo
+        episodes = [e for e in episodes if e.reward is not None]
+        if not episodes:
+            raise ValueError("every episode of this step was dropped by a failing reward")
         batch = self._to_device(collate(episodes, self.pad_token_id))
         mask = batch.mask
         current_logp = self._token_logprobs(self.policy, batch)
@@ -219,6 +228,7 @@ class Learner:
             policy_version=self.version,
             episodes=len(episodes),
             reward_mean=float(rewards.mean()),
+            reward_components=component_means(episodes),
             policy_loss=totals["policy_loss"],
             value_loss=totals["value_loss"],
             kl=float(pm.masked_mean(kl, mask)),
@@ -384,6 +394,16 @@ class Learner:
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""
         return {"version": self.version, "prompt_cursor": self.prompt_cursor}
+
+
+def component_means(episodes: list[Episode]) -> dict[str, float]:
+    """Returns each reward component's mean over the episodes it has a value for."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in episode.reward_components.items():
+            if value is not None:
+                values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

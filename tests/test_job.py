@@ -116,11 +116,54 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(job_env,
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
 
 
+USER_REWARDS = """
+def short_answers(completions, **kwargs):
+    # TRL-style: keyword arguments, extra dataset columns in **kwargs.
+    return [1.0 if len(c) <= 3 else 0.0 for c in completions]
+
+
+def flaky(prompts, completions, answer, **kwargs):
+    if any("7" in c for c in completions):
+        raise ValueError("sevens are unlucky")
+    return [0.0 for _ in completions]
+"""
+
+
+@pytest.mark.slow
+def test_user_reward_file_from_a_config_runs_end_to_end(job_env, tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(USER_REWARDS)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "reward:\n"
+        "  functions:\n"
+        "    - {name: exact_match, weight: 1.0}\n"
+        f"    - {{name: '{rewards}:short_answers', weight: 0.5, schedule: [[0, 0.0], [2, 0.5]]}}\n"
+        f"    - {{name: '{rewards}:flaky', weight: 1.0}}\n"
+    )
+    run_dir = tmp_path / "run"
+    args = ["--config", str(config), *SHORT_RUN, "--learner.steps", "3", "--run-dir", str(run_dir)]
+    result = run_job(args, job_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = metrics(run_dir)
+    names = {"exact_match", f"{rewards}:short_answers", f"{rewards}:flaky"}
+    assert all(set(r["reward_components"]) >= names - {f"{rewards}:flaky"} for r in records)
+    assert all(set(r["reward_failures"]) == names for r in records)
+    # The flaky reward raised on some episodes; the run went on, counting them.
+    assert sum(r["reward_failures"][f"{rewards}:flaky"] for r in records) > 0
+    assert all(r["reward_failures"]["exact_match"] == 0 for r in records)
+    assert "sevens are unlucky" in result.stdout + result.stderr  # logged once, by name
+
+
 BAD_INPUTS = [
     (["--model", "/no/such/model"], "model.path: no such model directory: /no/such/model"),
     (["--ppo.clipp", "0.1"], "unknown config field '--ppo.clipp' (did you mean '--ppo.clip'?)"),
     (["--ppo.lr", "fast"], "ppo.lr: expected float, got 'fast'"),
     (["--rollout.prompts_per_batch", "-8"], "rollout.prompts_per_batch must be > 0, got -8"),
+    (
+        ["--reward.functions", "[{name: 'no_such_pkg.rewards:fn'}]"],
+        "reward.functions[0].name (no_such_pkg.rewards:fn): cannot import no_such_pkg.rewards",
+    ),
     (["--data.train", "LONG"], "data.train: prompt"),
 ]
 

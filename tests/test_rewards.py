@@ -1,30 +1,205 @@
-"""The exact-match reward and the RewardWorker's weighted totals."""
+"""Loading rewards (built-ins, import paths, schedules) and scoring with faulty rewards."""
+
+from __future__ import annotations
+
+import logging
+import math
+import textwrap
 
 import pytest
 
 from rlray.config import ConfigError, RewardSpec
-from rlray.rewards import RewardWorker, exact_match, load_rewards
+from rlray.learner import component_means
+from rlray.rewards import RewardWorker, absolute_spec_path, check_rewards, scheduled_weight
 from tests.test_episode import make_episode
 
+USER_REWARDS = '''
+import math
+import time
 
-def test_exact_match_strips_white_space_only():
-    scores = exact_match(["1+1="] * 4, ["2", " 2 ", "02", "3"], answer=["2", "2", "2", "2"])
-    assert scores == [1.0, 1.0, 0.0, 0.0]
+
+def reward_len(completions, **kwargs):
+    """TRL's example: longer is worse."""
+    return [-abs(20 - len(c)) for c in completions]
 
 
-def test_reward_worker_sets_total_and_components():
-    worker = RewardWorker("reward-0", [RewardSpec("exact_match", weight=2.0)])
-    episodes = [
-        make_episode(completion="42", reward=None, reward_components={}),
-        make_episode(completion="41", reward=None, reward_components={}),
+def needs_answer(prompts, completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def fails_on_bad(prompts, completions, **kwargs):
+    if any("bad" in c for c in completions):
+        raise RuntimeError("cannot score 'bad'")
+    return [1.0] * len(completions)
+
+
+def nan_or_none(prompts, completions, **kwargs):
+    return [math.nan if c == "nan" else None if c == "none" else 0.5 for c in completions]
+
+
+def slow(prompts, completions, **kwargs):
+    time.sleep(30)
+    return [1.0] * len(completions)
+
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0]
+
+
+CALL_SIZES = []
+
+
+def records_sizes(prompts, completions, **kwargs):
+    CALL_SIZES.append(len(completions))
+    return [0.0] * len(completions)
+
+
+class Scaled:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [self.factor * len(c) for c in completions]
+
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(textwrap.dedent(USER_REWARDS))
+    return path
+
+
+def spec(user_file, attr: str, **fields) -> RewardSpec:
+    return RewardSpec(name=f"{user_file}:{attr}", **fields)
+
+
+def episodes(*completions: str):
+    return [
+        make_episode(episode_id=f"e{i}", completion=c, reward=None, reward_components={})
+        for i, c in enumerate(completions)
     ]
-    scored, stats = worker.score(episodes)
-    assert [e.reward for e in scored] == [2.0, 0.0]
-    assert [e.reward_components for e in scored] == [{"exact_match": 1.0}, {"exact_match": 0.0}]
-    assert all(e.scored_at is not None for e in scored)
-    assert stats.episodes == 2 and stats.reward_sum == 2.0
 
 
-def test_unknown_reward_is_named():
-    with pytest.raises(ConfigError, match=r"reward.functions\[0\].name: unknown reward 'exact'"):
-        load_rewards([RewardSpec("exact")])
+def test_trl_style_function_from_a_file(user_file):
+    worker = RewardWorker("reward-0", [spec(user_file, "reward_len")])
+    scored, stats = worker.score(episodes("x" * 18, "x" * 20))
+    assert [e.reward for e in scored] == [-2.0, 0.0]
+    assert [e.reward_components for e in scored] == [
+        {f"{user_file}:reward_len": -2.0},
+        {f"{user_file}:reward_len": 0.0},
+    ]
+    assert stats.failures == {f"{user_file}:reward_len": 0}
+
+
+def test_module_import_path_and_relative_file(user_file, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_file.parent))
+    check_rewards([RewardSpec(name="my_rewards:reward_len")], set())
+    relative = absolute_spec_path(RewardSpec(name="my_rewards.py:reward_len"), user_file.parent)
+    assert relative.name == f"{user_file}:reward_len"
+    assert (
+        absolute_spec_path(RewardSpec(name="exact_match"), user_file.parent).name == "exact_match"
+    )
+
+
+def test_class_reward_is_constructed_once_with_kwargs(user_file):
+    worker = RewardWorker("reward-0", [spec(user_file, "Scaled", kwargs={"factor": 2.0})])
+    scored, _ = worker.score(episodes("abc"))
+    assert scored[0].reward == 6.0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_module_xyz:fn", "cannot import no_such_module_xyz: ModuleNotFoundError"),
+        ("FILE:missing", "has no attribute 'missing'"),
+        ("FILE:not_callable", "is not callable"),
+        ("/no/such/file.py:fn", "no such file: /no/such/file.py"),
+        ("exactmatch", "unknown reward 'exactmatch'"),
+        ("FILE:needs_answer", "missing a required argument: 'answer'"),
+    ],
+)
+def test_bad_reward_fails_at_start_with_one_line(user_file, name, message):
+    name = name.replace("FILE", str(user_file))
+    with pytest.raises(ConfigError) as err:
+        check_rewards([RewardSpec(name=name)], column_names={"question"})
+    text = str(err.value)
+    assert text.startswith(f"reward.functions[0].name ({name}): ")
+    assert message in text
+    assert "\n" not in text
+
+
+def test_wrong_kwargs_are_caught_before_any_model_loads(user_file):
+    with pytest.raises(ConfigError, match=r"constructor: .*unexpected keyword argument 'scale'"):
+        check_rewards([spec(user_file, "Scaled", kwargs={"factor": 1, "scale": 2})], set())
+    with pytest.raises(ConfigError, match=r"reward call: .*unexpected keyword argument 'bogus'"):
+        check_rewards([spec(user_file, "needs_answer", kwargs={"bogus": 1})], {"answer"})
+    check_rewards([spec(user_file, "needs_answer")], {"answer", "other_column"})
+
+
+@pytest.mark.parametrize(
+    ("schedule", "interpolation", "expected"),
+    [
+        ([], "linear", {0: 0.7, 100: 0.7}),
+        ([[10, 0.0], [20, 1.0]], "linear", {0: 0.0, 10: 0.0, 15: 0.5, 20: 1.0, 99: 1.0}),
+        ([[0, 1.0], [10, 0.5], [20, 0.0]], "step", {0: 1.0, 9: 1.0, 10: 0.5, 19: 0.5, 25: 0.0}),
+    ],
+)
+def test_weight_schedules(schedule, interpolation, expected):
+    rule = RewardSpec(weight=0.7, schedule=schedule, interpolation=interpolation)
+    assert {step: scheduled_weight(rule, step) for step in expected} == pytest.approx(expected)
+
+
+def test_total_uses_the_weights_of_the_scoring_step(user_file):
+    ramp = spec(user_file, "Scaled", kwargs={"factor": 1.0}, schedule=[[0, 0.0], [10, 1.0]])
+    worker = RewardWorker("reward-0", [ramp, spec(user_file, "reward_len", weight=0.5)])
+    at_5, _ = worker.score(episodes("x" * 20), step=5)
+    assert at_5[0].reward == pytest.approx(0.5 * 20 + 0.5 * 0.0)
+
+
+def test_raising_reward_fails_only_the_episodes_it_raises_on(user_file, caplog):
+    failing = spec(user_file, "fails_on_bad")
+    worker = RewardWorker("reward-0", [failing, spec(user_file, "Scaled", kwargs={"factor": 1.0})])
+    with caplog.at_level(logging.WARNING):
+        scored, stats = worker.score(episodes("ok", "bad", "bad!"))
+    assert [e.reward_components[failing.name] for e in scored] == [1.0, None, None]
+    assert [e.reward for e in scored] == [3.0, 3.0, 4.0]  # scored from the other component
+    assert stats.failures[failing.name] == 2 and stats.dropped == 0
+    warnings = [r.getMessage() for r in caplog.records if failing.name in r.getMessage()]
+    assert len(warnings) == 1  # the first failure only, with its episode id
+    assert "episode e1" in warnings[0] and "cannot score 'bad'" in warnings[0]
+
+
+def test_drop_episode_policy_leaves_failed_episodes_without_reward(user_file):
+    worker = RewardWorker("reward-0", [spec(user_file, "nan_or_none")], on_failure="drop_episode")
+    scored, stats = worker.score(episodes("nan", "none", "fine"))
+    assert [e.reward for e in scored] == [None, None, 0.5]
+    assert stats.dropped == 2
+    assert stats.failures == {f"{user_file}:nan_or_none": 2}
+    assert component_means(scored) == {f"{user_file}:nan_or_none": 0.5}
+
+
+def test_timed_out_reward_fails_its_batch_and_the_worker_goes_on(user_file):
+    slow = spec(user_file, "slow", timeout_s=0.5)
+    worker = RewardWorker("reward-0", [slow, spec(user_file, "reward_len")])
+    scored, stats = worker.score(episodes("a", "b"))
+    # Marked failed, not 1.0: the worker stopped waiting before the reward returned.
+    assert stats.failures[slow.name] == 2
+    assert all(e.reward_components[slow.name] is None for e in scored)
+    assert all(not math.isnan(e.reward) for e in scored)
+
+
+def test_wrong_number_of_scores_fails_the_batch(user_file):
+    worker = RewardWorker("reward-0", [spec(user_file, "wrong_length")])
+    _, stats = worker.score(episodes("a", "b"))
+    assert stats.failures == {f"{user_file}:wrong_length": 2}
+
+
+def test_scoring_batch_size_splits_calls(user_file):
+    worker = RewardWorker("reward-0", [spec(user_file, "records_sizes")], batch_size=2)
+    worker.score(episodes("a", "b", "c", "d", "e"))
+    sizes = worker.rewards[0].fn.__globals__["CALL_SIZES"]
+    assert sizes == [2, 2, 1]

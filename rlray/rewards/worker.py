@@ -1,0 +1,176 @@
+"""RewardWorker: scores episode batches with every configured reward, surviving faults.
+
+A plain class: tests construct it in-process; rlray.actors runs it as `reward-<i>`.
+A component that raises, times out or gives NaN/None for an episode fails for that
+episode only: a batch call that raises is retried one episode at a time to find which.
+Failures are counted per component; the first of each is logged with its episode id.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlray.config import RewardSpec
+from rlray.episode import Episode
+from rlray.rewards.loading import LoadedReward, accepted_columns, load_reward
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoreStats:
+    """Small summary of one scoring call, sent to the driver instead of the episodes."""
+
+    worker: str
+    episodes: int
+    reward_sum: float
+    seconds: float
+    failures: dict[str, int] = field(default_factory=dict)
+    """Episodes each component failed on."""
+    dropped: int = 0
+    """Episodes left without a reward (not trained on) under on_failure=drop_episode."""
+
+
+@dataclass
+class ComponentScores:
+    """One component's scores of a batch, with an error message where it failed."""
+
+    values: list[float | None]
+    errors: list[str | None]
+
+
+class RewardWorker:
+    """Sets each episode's per-component rewards and weighted total."""
+
+    def __init__(
+        self,
+        name: str,
+        specs: list[RewardSpec],
+        on_failure: str = "skip_component",
+        batch_size: int = 64,
+    ):
+        self.name = name
+        self.rewards = [load_reward(spec) for spec in specs]
+        self.drop_on_failure = on_failure == "drop_episode"
+        self.batch_size = batch_size
+        self._logged: set[str] = set()
+
+    def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
+        """Returns the episodes with rewards set (weights as scheduled at learner `step`)
+        and a stats record."""
+        started = time.perf_counter()
+        failures = dict.fromkeys((r.name for r in self.rewards), 0)
+        for start in range(0, len(episodes), self.batch_size):
+            chunk = episodes[start : start + self.batch_size]
+            for reward in self.rewards:
+                scores = self._component_scores(reward, chunk)
+                for episode, value, error in zip(chunk, scores.values, scores.errors, strict=True):
+                    episode.reward_components[reward.name] = value
+                    if error is not None:
+                        failures[reward.name] += 1
+                        self._log_first(reward.name, episode.episode_id, error)
+        now = time.time()
+        dropped = sum(self._set_total(e, step) for e in episodes)
+        for episode in episodes:
+            episode.scored_at = now
+        total = sum(e.reward for e in episodes if e.reward is not None)
+        stats = ScoreStats(
+            self.name, len(episodes), total, time.perf_counter() - started, failures, dropped
+        )
+        return episodes, stats
+
+    def _set_total(self, episode: Episode, step: int) -> bool:
+        """Sets the weighted total; returns True if the episode is dropped instead."""
+        values = [(r, episode.reward_components[r.name]) for r in self.rewards]
+        if self.drop_on_failure and any(value is None for _, value in values):
+            episode.reward = None
+            return True
+        episode.reward = sum(r.weight_at(step) * v for r, v in values if v is not None)
+        return False
+
+    def _component_scores(self, reward: LoadedReward, episodes: list[Episode]) -> ComponentScores:
+        try:
+            raw = call_with_timeout(lambda: _call(reward, episodes), reward.spec.timeout_s)
+        except TimeoutError:
+            message = f"timed out after {reward.spec.timeout_s:g} s"
+            return ComponentScores([None] * len(episodes), [message] * len(episodes))
+        except Exception as err:
+            if len(episodes) == 1:
+                return ComponentScores([None], [f"raised {type(err).__name__}: {err}"])
+            # Score one at a time so that only the episodes that make it raise fail.
+            parts = [self._component_scores(reward, [episode]) for episode in episodes]
+            return ComponentScores(
+                [v for p in parts for v in p.values], [e for p in parts for e in p.errors]
+            )
+        return checked_scores(raw, len(episodes))
+
+    def _log_first(self, reward: str, episode_id: str, error: str) -> None:
+        if reward in self._logged:
+            return
+        self._logged.add(reward)
+        logger.warning(
+            "%s: reward %s failed on episode %s: %s (further failures are counted, not logged)",
+            self.name,
+            reward,
+            episode_id,
+            error,
+        )
+
+
+def _call(reward: LoadedReward, episodes: list[Episode]) -> Any:
+    names = dict.fromkeys(key for e in episodes for key in e.columns)
+    columns = {key: [e.columns.get(key) for e in episodes] for key in names}
+    return reward.fn(
+        prompts=[e.prompt for e in episodes],
+        completions=[e.completion for e in episodes],
+        **accepted_columns(reward.fn, columns),
+        **reward.kwargs,
+    )
+
+
+def checked_scores(raw: Any, count: int) -> ComponentScores:
+    """Returns the scores a reward returned, with each None/NaN/non-number marked failed
+    (and all of them failed if it returned the wrong number of scores)."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != count:
+        got = f"{len(raw)} scores" if isinstance(raw, (list, tuple)) else type(raw).__name__
+        return ComponentScores([None] * count, [f"returned {got} for {count} episodes"] * count)
+    values: list[float | None] = []
+    errors: list[str | None] = []
+    for score in raw:
+        value = _as_float(score)
+        values.append(value)
+        errors.append(None if value is not None else f"returned {score!r}")
+    return ComponentScores(values, errors)
+
+
+def _as_float(score: Any) -> float | None:
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        return None
+    value = float(score)
+    return value if math.isfinite(value) else None
+
+
+def call_with_timeout(fn: Any, timeout_s: float) -> Any:
+    """Returns fn() or raises TimeoutError after timeout_s. A timed-out call keeps
+    running in its (daemon) thread: Python cannot stop it; its result is ignored."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as err:  # re-raised in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True, name="reward-call")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
