@@ -3,13 +3,16 @@ parity, stale batches never reach the learner, and a dead actor is reported by n
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 
 from rlray.actors import ActorFailure, start_actors, wait_for
 from rlray.buffer import BufferedBatch
-from rlray.config import Config, parse_command_line, validate
+from rlray.config import Config, RewardSpec, parse_command_line, validate
 from rlray.driver import PPODriver, plan_run
+from rlray.rewards import RewardWorker
 from tests.jobs_helper import SHORT_RUN
 
 pytestmark = pytest.mark.slow
@@ -27,12 +30,12 @@ def system(ray_session, tmp_path_factory):
 
 
 def generate(actors, plan, first_index: int = 1000):
+    """Returns the ref of 16 scored episodes of 4 prompts, made by rollout-0, via reward-0."""
     rows = [plan.prompts.row(first_index + i) for i in range(4)]
-    episodes_ref, stats_ref = (
-        actors.rollout[0].generate.options(num_returns=2).remote(rows, first_index)
-    )
-    wait_for(stats_ref, "rollout-0", "generate", 120)
-    return episodes_ref
+    episodes_ref, _ = actors.rollout[0].generate.options(num_returns=2).remote(rows, first_index)
+    scored_ref, stats_ref = actors.reward[0].score.options(num_returns=2).remote(episodes_ref)
+    wait_for(stats_ref, "reward-0", "score", 120)
+    return scored_ref
 
 
 def test_weight_sync_changes_generation_and_keeps_parity(system):
@@ -46,6 +49,7 @@ def test_weight_sync_changes_generation_and_keeps_parity(system):
     after = ray.get(generate(actors, plan))
     assert {e.policy_version for e in before} == {0}
     assert {e.policy_version for e in after} == {2}
+    assert all(set(e.reward_components) == {"exact_match"} for e in after)  # the breakdown
     # Same prompts, same sampling seeds: only the weights differ.
     assert [e.rollout_logprobs for e in after] != [e.rollout_logprobs for e in before]
     learner_logprobs = ray.get(actors.learner.logprobs.remote(after))
@@ -77,6 +81,38 @@ def test_stale_batches_are_dropped_before_the_learner_sees_them(system):
     stats = ray.get(buffer.stats.remote())
     assert stats["dropped_stale"] - before == 16
     assert stats["buffer_depth"] == 0
+
+
+SLOW_REWARD = """
+import time
+
+
+def slow_exact(prompts, completions, answer, **kwargs):
+    time.sleep(5)
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
+    plan, actors = system
+    (tmp_path / "slow.py").write_text(SLOW_REWARD)
+    slow_spec = RewardSpec(name=f"{tmp_path}/slow.py:slow_exact")
+    slow_scorer = ray.remote(RewardWorker).options(num_cpus=0).remote("reward-slow", [slow_spec])
+    version = ray.get(actors.learner.state.remote())["version"]
+    slow_actors = dataclasses.replace(actors, reward=[slow_scorer], reward_names=["reward-slow"])
+    driver = PPODriver(plan, slow_actors, version=version, prompt_cursor=5000)
+    driver.fill()
+    first = driver.in_flight[0]
+    while first.generated is None:
+        driver._collect()  # returns once generation is done; scoring goes on
+    driver.fill()
+    assert [item.worker_index for item in driver.in_flight] == [0, 0]
+    second = driver.in_flight[1]
+    # rollout-0 started the next batch while reward-slow still scores the first.
+    assert ray.wait([first.score_stats], timeout=0)[0] == []
+    assert second.policy_version == first.policy_version
+    driver.drain()
+    ray.kill(slow_scorer)
 
 
 def test_dead_rollout_actor_is_named(system):
