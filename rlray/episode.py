@@ -15,6 +15,24 @@ from typing import Any
 import pyarrow as pa
 
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
+SPAN_KINDS = ("model_call", "tool_call", "reward")
+
+# One struct for every kind of step; the fields a kind does not use stay null.
+SPAN_TYPE = pa.struct(
+    [
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("started_at", _TIMESTAMP, nullable=False),
+        pa.field("ended_at", _TIMESTAMP),
+        pa.field("input", pa.string()),  # model_call
+        pa.field("output", pa.string()),  # model_call
+        pa.field("name", pa.string()),  # tool_call: the tool
+        pa.field("arguments", pa.string()),  # tool_call: JSON text
+        pa.field("result", pa.string()),  # tool_call
+        pa.field("error", pa.string()),  # tool_call
+        pa.field("value", pa.float64()),  # reward
+        pa.field("source", pa.string()),  # reward: the function or judge that gave it
+    ]
+)
 
 EPISODE_SCHEMA = pa.schema(
     [
@@ -36,9 +54,31 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("generated_at", _TIMESTAMP, nullable=False),
         pa.field("scored_at", _TIMESTAMP),
         pa.field("trained_at", _TIMESTAMP),
+        pa.field("spans", pa.list_(SPAN_TYPE), nullable=False),
     ],
     metadata={"rlray.episode_schema_version": "1"},
 )
+
+
+@dataclass
+class Span:
+    """One timestamped step of a multi-step trace: a model call (input, output), a tool
+    call (name, arguments, result or error) or a reward (value, source)."""
+
+    kind: str
+    """model_call, tool_call or reward."""
+    started_at: float
+    """Unix seconds."""
+    ended_at: float | None = None
+    input: str | None = None
+    output: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    """The tool call's arguments as JSON text."""
+    result: str | None = None
+    error: str | None = None
+    value: float | None = None
+    source: str | None = None
 
 
 @dataclass
@@ -75,6 +115,10 @@ class Episode:
     """Unix seconds when generation finished."""
     scored_at: float | None = None
     trained_at: float | None = None
+    """Unix seconds of the learner step that trained on it; None if it never was
+    (dropped as stale, dropped by a failing reward, or left over at the end)."""
+    spans: list[Span] = field(default_factory=list)
+    """Steps of a multi-step trace (empty for a single model call)."""
 
 
 def _micros(seconds: float | None) -> int | None:
@@ -90,6 +134,11 @@ def to_table(episodes: list[Episode]) -> pa.Table:
         row["reward_components"] = list(ep.reward_components.items())
         for name in ("generated_at", "scored_at", "trained_at"):
             row[name] = _micros(row[name])
+        for span in row["spans"]:
+            span["started_at"], span["ended_at"] = (
+                _micros(span["started_at"]),
+                _micros(span["ended_at"]),
+            )
         rows.append(row)
     arrays = []
     for f in EPISODE_SCHEMA:
@@ -111,5 +160,12 @@ def from_table(table: pa.Table) -> list[Episode]:
             row[name] = None if value is None else value.timestamp()
         row["columns"] = json.loads(row["columns"])
         row["reward_components"] = dict(row["reward_components"] or [])
+        row["spans"] = [_span_from_row(span) for span in row["spans"]]
         out.append(Episode(**row))
     return out
+
+
+def _span_from_row(row: dict[str, Any]) -> Span:
+    for name in ("started_at", "ended_at"):
+        row[name] = None if row[name] is None else row[name].timestamp()
+    return Span(**row)

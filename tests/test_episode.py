@@ -2,7 +2,7 @@
 
 import pyarrow as pa
 
-from rlray.episode import EPISODE_SCHEMA, Episode, from_table, to_table
+from rlray.episode import EPISODE_SCHEMA, Episode, Span, from_table, to_table
 
 
 def make_episode(**overrides) -> Episode:
@@ -25,6 +25,11 @@ def make_episode(**overrides) -> Episode:
         generated_at=1700000000.123456,
         scored_at=1700000001.5,
         trained_at=None,
+        spans=[
+            Span("model_call", 1700000000.0, 1700000000.5, input="12+30=", output="42"),
+            Span("tool_call", 1700000000.6, name="calc", arguments='{"x": 1}', error="boom"),
+            Span("reward", 1700000001.0, 1700000001.5, value=1.0, source="exact_match"),
+        ],
     )
     values.update(overrides)
     return Episode(**values)
