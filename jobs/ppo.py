@@ -12,6 +12,7 @@ Reads top to bottom: config -> checks -> actors -> loop -> report.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,11 +21,13 @@ from pathlib import Path
 # working directory is the repository, so this finds rlray without an install too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.actors import ActorFailure, connect, required_cpus, start_actors
-from rlray.config import ConfigError, parse_command_line, validate
+from rlray.actors import ActorFailure, connect, required_cpus, start_actors, start_ingest
+from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
 from rlray.driver import MetricsLog, PPODriver, RunPlan, plan_run, write_config
 from rlray.learner import checkpoint_version
 from rlray.progress import Progress
+from rlray.report import write_report
+from rlray.tracking import Trackers
 
 
 def main(argv: list[str]) -> int:
@@ -42,26 +45,69 @@ def main(argv: list[str]) -> int:
     # 2. Actors: rollout (vLLM), reward, buffer and learner, each named.
     connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
     print(f"run directory: {plan.run_dir}", flush=True)
-    actors = start_actors(
-        config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint)
-    )
     try:
-        summary = train(plan, PPODriver(plan, actors, *resume_point(plan)))
+        actors = start_actors(
+            config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint)
+        )
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
+    driver = PPODriver(plan, actors, *resume_point(plan))
+    trackers = open_trackers(plan)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C
+    summary = None
+    try:
+        if config.ingest.enabled:
+            url = start_ingest(config, actors, plan.model_path, config.ray.actor_start_timeout_s)
+            print(f"ingestion endpoint: {url}", flush=True)
+        summary = train(plan, driver, MetricsLog(plan.run_dir, trackers))
+    except ActorFailure as err:
+        print(f"ppo.py: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(
+            "ppo.py: interrupted; every episode so far is kept, --resume continues "
+            "from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 130
     finally:
+        stored = driver.close_store()  # every scored episode written (or spooled)
         actors.kill()
+        if summary is None:
+            trackers.close()
 
     # 3. Report.
+    summary["episodes_stored"] = stored.episodes_written if stored else None
     (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    trackers.summary(summary)
+    trackers.close()
+    report = write_report(plan.run_dir)
     print(
         f"done: {summary['steps']} steps, held-out accuracy "
         f"{summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f}, "
         f"{summary['episodes_per_second']:.1f} episodes/s, {summary['wall_seconds']:.0f} s"
     )
+    print(f"report: {report}")
     print(f"run directory: {plan.run_dir}")
     return 0
+
+
+def open_trackers(plan: RunPlan) -> Trackers:
+    """Returns the run's TensorBoard (always) and wandb (if configured) trackers."""
+    tracking = plan.config.tracking
+    return Trackers(
+        plan.run_dir,
+        config_to_dict(plan.config),
+        plan.run_id,
+        use_wandb=tracking.wandb,
+        wandb_project=tracking.wandb_project,
+        wandb_mode=tracking.wandb_mode or None,
+    )
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def resume_point(plan: RunPlan) -> tuple[int, int]:
@@ -72,9 +118,9 @@ def resume_point(plan: RunPlan) -> tuple[int, int]:
     return checkpoint_version(plan.checkpoint), int(state["prompt_cursor"])
 
 
-def train(plan: RunPlan, driver: PPODriver) -> dict:
+def train(plan: RunPlan, driver: PPODriver, log: MetricsLog) -> dict:
     """Runs learner steps up to learner.steps; returns the summary."""
-    config, log = plan.config, MetricsLog(plan.run_dir)
+    config = plan.config
     steps, started = config.learner.steps, time.perf_counter()
     first_step = driver.learner_version + 1
     progress = Progress(total_steps=steps, first_step=first_step)
@@ -97,7 +143,6 @@ def train(plan: RunPlan, driver: PPODriver) -> dict:
             record["checkpoint"] = str(driver.save_checkpoint())
         log.write(record)
         progress.stepped(record)
-    driver.drain()
     wall = time.perf_counter() - started
     evals = [r["eval_accuracy"] for r in log.read() if r.get("eval_accuracy") is not None]
     return {

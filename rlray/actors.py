@@ -13,19 +13,24 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from aiohttp import web
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rlray.buffer import EpisodeBuffer
-from rlray.config import Config
+from rlray.buffer import BufferedBatch, EpisodeBuffer
+from rlray.config import Config, IngestConfig, StoreConfig
 from rlray.episode import Episode
+from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
 from rlray.learner import Learner, StepMetrics, checkpoint_version
+from rlray.models import load_tokenizer
 from rlray.rewards import RewardWorker
 from rlray.rollout import RolloutWorker, vllm_env
+from rlray.store import StoreStats, mark_trained, open_store
 
 
 class ActorFailure(RuntimeError):
@@ -89,28 +94,68 @@ class RolloutActor(RolloutWorker):
 
 @dataclass
 class Actors:
-    """Handles of one run's actors, by role, with their names."""
+    """Handles of one run's actors, by role, with their names. A collect-only run has no
+    buffer and no learner."""
 
     rollout: list[Any]
     rollout_names: list[str]
     reward: list[Any]
     reward_names: list[str]
-    buffer: Any
-    learner: Any
+    store: Any
+    buffer: Any = None
+    learner: Any = None
+    ingest: Any = None
 
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
+        singles = [
+            ("store", self.store),
+            ("buffer", self.buffer),
+            ("learner", self.learner),
+            ("ingest", self.ingest),
+        ]
         return [
             *zip(self.rollout_names, self.rollout, strict=True),
             *zip(self.reward_names, self.reward, strict=True),
-            ("buffer", self.buffer),
-            ("learner", self.learner),
+            *((name, handle) for name, handle in singles if handle is not None),
         ]
 
     def kill(self) -> None:
         """Stops every actor (their names become free for the next run)."""
         for _, handle in self.all():
             ray.kill(handle, no_restart=True)
+
+
+class StoreActor:
+    """The run's EpisodeStore in its own process; it fetches episode batches from the
+    object store itself, so they never pass through the driver."""
+
+    def __init__(self, config: StoreConfig, run_dir: str, run_id: str):
+        self.store = open_store(config, Path(run_dir), run_id)
+        self.upload_timeout_s = config.upload_timeout_s
+
+    def append_batches(
+        self, batch_refs: list[list[Any]], trained_at: float | None, timeout_s: float
+    ) -> int:
+        """Stores the referenced batches (trained_at None: never trained on); returns
+        how many episodes that was."""
+        episodes = mark_trained(resolve_episodes(batch_refs, timeout_s), trained_at)
+        self.store.append(episodes)
+        return len(episodes)
+
+    def append_episodes(self, episodes: list[Episode]) -> int:
+        """Stores episodes given by value (the ingestion endpoint's); returns the count."""
+        self.store.append(episodes)
+        return len(episodes)
+
+    def close(self) -> tuple[StoreStats, list[str]]:
+        """Writes what is buffered, waits for uploads; returns stats and the files left
+        in the upload spool."""
+        left = self.store.close(self.upload_timeout_s)
+        return self.store.stats(), [str(path) for path in left]
+
+    def stats(self) -> StoreStats:
+        return self.store.stats()
 
 
 def connect(address: str, num_cpus: int) -> None:
@@ -147,36 +192,74 @@ def required_cpus(config: Config) -> float:
     )
 
 
-def start_actors(config: Config, model_path: str, run_id: str, checkpoint: str | None) -> Actors:
-    """Starts every actor of a run and waits (with a timeout) until each is up."""
+def start_actors(
+    config: Config,
+    model_path: str,
+    run_id: str,
+    checkpoint: str | None = None,
+    train: bool = True,
+) -> Actors:
+    """Starts a run's actors (without buffer and learner when not `train`) and waits,
+    with a timeout, until each is up."""
+    rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
+    reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
+    actors = Actors(
+        rollout=_start_rollout_workers(config, rollout_names, model_path, run_id, checkpoint),
+        rollout_names=rollout_names,
+        reward=[_start_reward_worker(config, name) for name in reward_names],
+        reward_names=reward_names,
+        store=ray.remote(StoreActor)
+        .options(name="store", num_cpus=0)
+        .remote(config.store, config.run_dir, run_id),
+    )
+    if train:
+        actors.buffer = (
+            ray.remote(EpisodeBuffer)
+            .options(name="buffer", num_cpus=0)
+            .remote(config.buffer.capacity_episodes, config.buffer.max_staleness)
+        )
+        actors.learner = _start_learner(config, model_path, checkpoint)
+    try:
+        for name, handle in actors.all():
+            wait_for(
+                handle.__ray_ready__.remote(), name, "start-up", config.ray.actor_start_timeout_s
+            )
+    except ActorFailure:
+        actors.kill()
+        raise
+    return actors
+
+
+def _start_rollout_workers(
+    config: Config, names: list[str], model_path: str, run_id: str, checkpoint: str | None
+) -> list[Any]:
     rollout_model = f"{checkpoint}/policy" if checkpoint else model_path
     version = checkpoint_version(checkpoint) if checkpoint else 0
-    env = {"env_vars": vllm_env(config.rollout)}
-    rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
-    rollout = [
+    options = {
+        "num_cpus": config.rollout.cpus_per_worker,
+        "num_gpus": config.rollout.gpus_per_worker,
+        "runtime_env": {"env_vars": vllm_env(config.rollout)},
+    }
+    return [
         ray.remote(RolloutActor)
-        .options(
-            name=name,
-            num_cpus=config.rollout.cpus_per_worker,
-            num_gpus=config.rollout.gpus_per_worker,
-            runtime_env=env,
-        )
+        .options(name=name, **options)
         .remote(name, rollout_model, config.model, config.rollout, run_id, config.seed + i, version)
-        for i, name in enumerate(rollout_names)
+        for i, name in enumerate(names)
     ]
-    reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
-    reward = [
+
+
+def _start_reward_worker(config: Config, name: str) -> Any:
+    reward = config.reward
+    return (
         ray.remote(RewardWorker)
-        .options(name=name, num_cpus=config.reward.cpus_per_worker)
-        .remote(name, config.reward.functions, config.reward.on_failure, config.reward.batch_size)
-        for name in reward_names
-    ]
-    buffer = (
-        ray.remote(EpisodeBuffer)
-        .options(name="buffer", num_cpus=0)
-        .remote(config.buffer.capacity_episodes, config.buffer.max_staleness)
+        .options(name=name, num_cpus=reward.cpus_per_worker)
+        .remote(name, reward.functions, reward.on_failure, reward.batch_size)
     )
-    learner = (
+
+
+def _start_learner(config: Config, model_path: str, checkpoint: str | None) -> Any:
+    device = "cuda" if config.learner.gpus > 0 else "cpu"
+    return (
         ray.remote(LearnerActor)
         .options(name="learner", num_cpus=config.learner.cpus, num_gpus=config.learner.gpus)
         .remote(
@@ -185,16 +268,76 @@ def start_actors(config: Config, model_path: str, run_id: str, checkpoint: str |
             config.ppo,
             config.rollout.temperature,
             config.seed,
-            "cuda" if config.learner.gpus > 0 else "cpu",
+            device,
             checkpoint,
         )
     )
-    actors = Actors(rollout, rollout_names, reward, reward_names, buffer, learner)
-    timeout = config.ray.actor_start_timeout_s
-    try:
-        for name, handle in actors.all():
-            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
-    except ActorFailure:
-        actors.kill()
-        raise
-    return actors
+
+
+class IngestActor:
+    """The ingestion endpoint (rlray.ingest) in its own async actor: posted episodes are
+    scored by the run's reward actors, stored by its store and, with ingest.train,
+    queued in its buffer."""
+
+    def __init__(self, config: IngestConfig, token: str, model_path: str, actors: Actors):
+        self.config = config
+        self.actors = actors
+        self.step = 0
+        self.next_reward = 0
+        self.tokenizer = load_tokenizer(model_path) if config.train else None
+        enqueue = self._enqueue if config.train and actors.buffer is not None else None
+        self.service = IngestService(token, self._score, self._store, enqueue)
+
+    async def start(self) -> str:
+        """Starts serving; returns the endpoint's URL."""
+        app = make_app(self.service, self.config.max_body_bytes)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.config.host, self.config.port).start()
+        return f"http://{self.config.host}:{self.config.port}/v1/episodes"
+
+    def set_step(self, step: int) -> None:
+        """The learner step whose reward weights score posted episodes."""
+        self.step = step
+
+    async def _score(self, episodes: list[Episode]) -> list[Episode]:
+        reward = self.actors.reward[self.next_reward % len(self.actors.reward)]
+        self.next_reward += 1
+        scored, _ = await reward.score.remote(episodes, self.step)
+        return scored
+
+    async def _store(self, episodes: list[Episode]) -> None:
+        await self.actors.store.append_episodes.remote(episodes)
+
+    async def _enqueue(self, episodes: list[Episode]) -> int:
+        """Queues posted episodes for training if the buffer has room; returns how many."""
+        trainable = [e for e in episodes if e.reward is not None]
+        for episode in trainable:
+            if not episode.prompt_token_ids or not episode.completion_token_ids:
+                episode.prompt_token_ids = self.tokenizer(episode.prompt).input_ids
+                completion = self.tokenizer(episode.completion).input_ids
+                episode.completion_token_ids = [*completion, self.tokenizer.eos_token_id]
+                episode.rollout_logprobs = []  # unknown: the learner uses its own
+        if not trainable or not await self.actors.buffer.reserve.remote(len(trainable)):
+            return 0
+        batch = BufferedBatch(
+            ref=[ray.put(trainable)],
+            policy_version=EXTERNAL_POLICY_VERSION,
+            num_episodes=len(trainable),
+            first_prompt_index=-1,
+            batch_id=-1,
+            external=True,
+        )
+        await self.actors.buffer.add.remote(batch)
+        return len(trainable)
+
+
+def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: float) -> str:
+    """Starts the ingestion endpoint as the `ingest` actor; returns its URL."""
+    token = config.ingest.token or os.environ.get("RLRAY_INGEST_TOKEN", "")
+    actors.ingest = (
+        ray.remote(IngestActor)
+        .options(name="ingest", num_cpus=0, max_concurrency=64)
+        .remote(config.ingest, token, model_path, actors)
+    )
+    return wait_for(actors.ingest.start.remote(), "ingest", "start-up", timeout_s)

@@ -21,6 +21,8 @@ class BufferedBatch:
     num_episodes: int
     first_prompt_index: int
     batch_id: int
+    external: bool = False
+    """Posted to the ingestion endpoint: off-policy by design, never dropped as stale."""
 
 
 @dataclass
@@ -72,7 +74,7 @@ class EpisodeBuffer:
 
     def is_stale(self, batch: BufferedBatch, learner_version: int) -> bool:
         """Returns whether the batch's policy is more than max_staleness versions behind."""
-        return learner_version - batch.policy_version > self.max_staleness
+        return not batch.external and learner_version - batch.policy_version > self.max_staleness
 
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
         """Drops stale batches, then removes and returns the oldest fresh batches that
@@ -104,9 +106,18 @@ class EpisodeBuffer:
                 kept.append(batch)
         self._batches = kept
 
+    def drain(self) -> list[BufferedBatch]:
+        """Removes and returns every held batch (the end of a run: they go to the store
+        untrained)."""
+        batches, self._batches = list(self._batches), deque()
+        self.depth_episodes = 0
+        return batches
+
     def oldest_prompt_index(self) -> int | None:
-        """Returns the first prompt index of the oldest held batch, or None if empty."""
-        return min((b.first_prompt_index for b in self._batches), default=None)
+        """Returns the first prompt index of the oldest held batch of this run's prompts,
+        or None if there is none."""
+        indexes = (b.first_prompt_index for b in self._batches if not b.external)
+        return min(indexes, default=None)
 
     def stats(self) -> dict[str, int]:
         """Returns depth, capacity and counters (small; goes into metrics)."""

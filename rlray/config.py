@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import itertools
+import os
 import textwrap
 import types
 import typing
@@ -187,6 +188,54 @@ class LearnerConfig:
 
 
 @dataclass
+class StoreConfig:
+    path: str = ""
+    """Where every episode goes: empty for <run_dir>/episodes, a local directory, or
+    s3://bucket/prefix (credentials from the standard AWS chain)."""
+    s3_endpoint_url: str = ""
+    """S3-compatible endpoint for an s3:// path (MinIO, moto); empty for AWS."""
+    presigned_url_service: str = ""
+    """Upload without credentials: an HTTP URL that answers GET <url>?key=<key> with a
+    pre-signed PUT URL for that key. Used instead of `path`'s S3 upload when set."""
+    rows_per_file: int = 2048
+    """Episodes per Parquet file (files are written in batches, never one per episode)."""
+    flush_every_s: float = 60.0
+    """Write a file at least this often while episodes are buffered."""
+    upload_timeout_s: float = 120.0
+    """At the end of a run, how long to wait for uploads; files not uploaded by then stay
+    in the local spool (a warning names it) and upload on a later run or by hand."""
+
+
+@dataclass
+class IngestConfig:
+    enabled: bool = False
+    """Serve POST /v1/episodes (and GET /v1/health) while the job runs."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Anything but loopback needs a token."""
+    port: int = 8321
+    """Port to listen on."""
+    token: str = ""
+    """Bearer token clients must send; empty: the RLRAY_INGEST_TOKEN environment
+    variable, and without either only loopback is served, unauthenticated."""
+    max_body_bytes: int = 4_194_304
+    """Largest request body; bigger ones get 413."""
+    train: bool = False
+    """Also queue posted episodes for training (off-policy data: they are trained on
+    with the learner's own logprobs as the behaviour policy and never dropped as stale)."""
+
+
+@dataclass
+class TrackingConfig:
+    wandb: bool = False
+    """Also log config, per-step metrics, reward breakdown and summary to Weights &
+    Biases (TensorBoard event files are always written under <run_dir>/tensorboard)."""
+    wandb_project: str = "rlray"
+    """wandb project name."""
+    wandb_mode: str = ""
+    """wandb mode: online, offline or disabled; empty leaves it to WANDB_MODE."""
+
+
+@dataclass
 class RayConfig:
     address: str = ""
     """Ray cluster to join. Empty: the cluster in RAY_ADDRESS (set by `ray job submit`)
@@ -213,6 +262,9 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
@@ -492,6 +544,11 @@ def validate(config: Config) -> None:
         "learner.sync_every": learner.sync_every,
         "learner.eval_every": learner.eval_every,
         "learner.checkpoint_every": learner.checkpoint_every,
+        "ingest.port": config.ingest.port,
+        "ingest.max_body_bytes": config.ingest.max_body_bytes,
+        "store.rows_per_file": config.store.rows_per_file,
+        "store.flush_every_s": config.store.flush_every_s,
+        "store.upload_timeout_s": config.store.upload_timeout_s,
         "ray.actor_start_timeout_s": config.ray.actor_start_timeout_s,
         "ray.call_timeout_s": config.ray.call_timeout_s,
     }
@@ -518,6 +575,9 @@ def validate(config: Config) -> None:
     _check_choice("model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
     _check_choice("ppo.kl_estimator", p.kl_estimator, ("k1", "k3"))
     _check_choice("ppo.kl_mode", p.kl_mode, ("reward", "loss"))
+    _check_choice(
+        "tracking.wandb_mode", config.tracking.wandb_mode, ("", "online", "offline", "disabled")
+    )
     for name, value in (("ppo.gamma", p.gamma), ("ppo.lam", p.lam)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{name} must be in [0, 1], got {value}")
@@ -549,11 +609,22 @@ def validate(config: Config) -> None:
             f"buffer.max_staleness ({b.max_staleness}) must be >= learner.sync_every - 1 "
             f"({learner.sync_every - 1}): rollouts lag that far between weight syncs"
         )
+    _check_ingest(config.ingest)
     if not config.reward.functions:
         raise ConfigError("reward.functions must name at least one reward")
     _check_choice("reward.on_failure", config.reward.on_failure, ("skip_component", "drop_episode"))
     for i, spec in enumerate(config.reward.functions):
         _check_reward_spec(f"reward.functions[{i}]", spec)
+
+
+def _check_ingest(ingest: IngestConfig) -> None:
+    token = ingest.token or os.environ.get("RLRAY_INGEST_TOKEN", "")
+    loopback = ingest.host in ("127.0.0.1", "::1", "localhost") or ingest.host.startswith("127.")
+    if ingest.enabled and not token and not loopback:
+        raise ConfigError(
+            f"ingest.host: serving {ingest.host} needs a token (ingest.token or "
+            "RLRAY_INGEST_TOKEN); without one only loopback (127.0.0.1) is served"
+        )
 
 
 def _check_reward_spec(name: str, spec: RewardSpec) -> None:

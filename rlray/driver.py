@@ -9,6 +9,7 @@ and a ScoreStats of a few numbers each.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,10 @@ from rlray.learner import latest_checkpoint, metrics_dict
 from rlray.models import load_tokenizer, resolve_model_path
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
+from rlray.store import StoreStats
+from rlray.tracking import Trackers
+
+logger = logging.getLogger(__name__)
 
 PARITY_PROBE_PROMPTS = 2
 
@@ -136,6 +141,7 @@ class PPODriver:
         self.tally = RolloutTally()
         self.published: Any = None
         self.parity_probe: Any = None
+        self.store_writes: list[Any] = []
 
     # ------------------------------------------------------------------ generation
 
@@ -252,9 +258,15 @@ class PPODriver:
             if taken is not None:
                 break
             self._collect()
-        self.buffered_episodes -= sum(b.num_episodes for b in taken.batches + taken.dropped)
+        self.buffered_episodes -= sum(
+            b.num_episodes for b in taken.batches + taken.dropped if not b.external
+        )
         train = self.actors.learner.train_on.remote([b.ref for b in taken.batches], self.timeout)
+        self._store([b.ref for b in taken.batches], trained_at=time.time())
+        self._store([b.ref for b in taken.dropped], trained_at=None)
         self.learner_version += 1
+        if self.actors.ingest is not None:
+            self.actors.ingest.set_step.remote(self.learner_version)
         self.fill()  # with max_staleness >= 1 generation overlaps training
         metrics = self._call("learner", train, "train step")
         buffer_stats = self._call("buffer", self.actors.buffer.stats.remote(), "stats")
@@ -324,25 +336,76 @@ class PPODriver:
         ref = self.actors.learner.save_checkpoint.remote(str(self.plan.run_dir), cursor)
         return self._call("learner", ref, "save checkpoint")
 
+    def _store(self, batch_refs: list[list[Any]], trained_at: float | None) -> None:
+        """Sends batches to the episode store (it fetches them itself); its answers are
+        checked later, without holding up the learner."""
+        if batch_refs:
+            ref = self.actors.store.append_batches.remote(batch_refs, trained_at, self.timeout)
+            self.store_writes.append(ref)
+        done, self.store_writes = ray.wait(
+            self.store_writes, num_returns=len(self.store_writes), timeout=0
+        )
+        for ref in done:
+            self._call("store", ref, "append")
+
     def drain(self) -> None:
-        """Waits for in-flight batches so that actors can be stopped cleanly."""
-        for item in self.in_flight:
-            ray.wait([item.score_stats], timeout=self.timeout)
+        """Waits for in-flight batches and sends them, and whatever the buffer still
+        holds, to the store as never trained on: every scored episode is kept."""
+        for item in list(self.in_flight):
+            if self._scored_without_error(item):
+                self._store([[item.episodes]], trained_at=None)
         self.in_flight.clear()
+        if self.actors.buffer is not None:
+            leftovers = self._call("buffer", self.actors.buffer.drain.remote(), "drain")
+            self._store([b.ref for b in leftovers], trained_at=None)
+        for ref in self.store_writes:
+            self._call("store", ref, "append")
+        self.store_writes = []
+
+    def _scored_without_error(self, item: InFlight) -> bool:
+        try:
+            wait_for(item.score_stats, item.reward_name, "score", self.timeout)
+            return True
+        except ActorFailure as err:  # its actor failed; the error is reported elsewhere
+            logger.warning("batch from prompt %d not stored: %s", item.first_prompt_index, err)
+            return False
+
+    def close_store(self) -> StoreStats | None:
+        """Sends every episode not yet stored to the store, closes it (writing its
+        buffered rows, waiting for uploads) and returns its stats; None if the store
+        could not be closed (the reason is logged)."""
+        try:
+            self.drain()
+            timeout = self.timeout + self.config.store.upload_timeout_s
+            stats, spooled = wait_for(self.actors.store.close.remote(), "store", "close", timeout)
+        except ActorFailure as err:
+            logger.warning("episodes not yet written may be lost: %s", err)
+            return None
+        if spooled:
+            logger.warning(
+                "%d episode file(s) not uploaded; they wait in %s",
+                len(spooled),
+                Path(spooled[0]).parent,
+            )
+        return stats
 
     def _call(self, actor: str, ref: Any, what: str) -> Any:
         return wait_for(ref, actor, what, self.timeout)
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON line per learner step, appended (a resumed run continues it)."""
+    """metrics.jsonl, one JSON line per learner step, appended (a resumed run continues
+    it); every line also goes to the trackers (TensorBoard, wandb) if given."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, trackers: Trackers | None = None):
         self.path = run_dir / "metrics.jsonl"
+        self.trackers = trackers
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

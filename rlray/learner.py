@@ -52,6 +52,7 @@ class TokenBatch:
     mask: torch.Tensor  # (B, T) 1.0 on real completion tokens
     positions: torch.Tensor  # (B, T) index in L of the logits that predict each completion token
     rollout_logprobs: torch.Tensor  # (B, T)
+    has_logprobs: torch.Tensor  # (B,) False for posted episodes that came without logprobs
 
     def rows(self, index: torch.Tensor) -> TokenBatch:
         """Returns the sub-batch of the given episode rows."""
@@ -70,6 +71,7 @@ def collate(episodes: list[Episode], pad_token_id: int) -> TokenBatch:
     mask = torch.zeros(batch, steps)
     positions = torch.zeros(batch, steps, dtype=torch.long)
     logprobs = torch.zeros(batch, steps)
+    has_logprobs = torch.zeros(batch, dtype=torch.bool)
     for i, e in enumerate(episodes):
         p, c = len(e.prompt_token_ids), len(e.completion_token_ids)
         input_ids[i, : p + c] = torch.tensor(e.prompt_token_ids + e.completion_token_ids)
@@ -77,8 +79,10 @@ def collate(episodes: list[Episode], pad_token_id: int) -> TokenBatch:
         completion[i, :c] = torch.tensor(e.completion_token_ids)
         mask[i, :c] = 1.0
         positions[i, :c] = torch.arange(p - 1, p + c - 1)
-        logprobs[i, :c] = torch.tensor(e.rollout_logprobs)
-    return TokenBatch(input_ids, attention, completion, mask, positions, logprobs)
+        if len(e.rollout_logprobs) == c:
+            logprobs[i, :c] = torch.tensor(e.rollout_logprobs)
+            has_logprobs[i] = True
+    return TokenBatch(input_ids, attention, completion, mask, positions, logprobs, has_logprobs)
 
 
 @dataclass
@@ -211,7 +215,8 @@ class Learner:
         self.probe_parity = None
         # The behaviour policy's logprobs (vLLM's) make the importance ratio exact for
         # stale episodes too; on fresh ones they equal current_logp (parity check).
-        old_logp = batch.rollout_logprobs
+        # Posted episodes without logprobs start from the learner's own (ratio 1).
+        old_logp = torch.where(batch.has_logprobs[:, None], batch.rollout_logprobs, current_logp)
         kl = pm.kl_estimate(old_logp, ref_logp, ppo.kl_estimator)
         rewards = torch.tensor([float(e.reward or 0.0) for e in episodes], device=self.device)
         reward_kl_coef = ppo.kl_coef if ppo.kl_mode == "reward" else 0.0
@@ -236,8 +241,7 @@ class Learner:
             clip_fraction=totals["clip_fraction"],
             value_clip_fraction=totals["value_clip_fraction"],
             explained_variance=pm.explained_variance(old_values, returns, mask),
-            staleness_mean=sum(self.version - 1 - e.policy_version for e in episodes)
-            / len(episodes),
+            staleness_mean=staleness_mean(episodes, self.version - 1),
             logprob_parity_error=parity,
             learner_tokens_per_s=tokens / seconds,
             learner_seconds=seconds,
@@ -394,6 +398,13 @@ class Learner:
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""
         return {"version": self.version, "prompt_cursor": self.prompt_cursor}
+
+
+def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
+    """Returns how many versions behind the learner this run's episodes were, on average
+    (posted episodes, with negative versions, are left out; 0.0 if none is left)."""
+    own = [learner_version - e.policy_version for e in episodes if e.policy_version >= 0]
+    return sum(own) / len(own) if own else 0.0
 
 
 def component_means(episodes: list[Episode]) -> dict[str, float]:

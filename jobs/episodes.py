@@ -1,0 +1,58 @@
+"""Summarise an episode store: counts, reward by policy version, finish reasons, failures.
+
+python jobs/episodes.py runs/exp1/episodes
+python jobs/episodes.py s3://bucket/prefix --endpoint-url http://127.0.0.1:9000
+python jobs/episodes.py runs/exp1/episodes --json     # machine-readable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlray.episodes import read, summarize
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="episodes.py", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="episode store: a directory or an s3:// URI")
+    parser.add_argument("--run", action="append", help="only this run id (repeatable)")
+    parser.add_argument("--endpoint-url", help="S3-compatible endpoint (e.g. MinIO)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    try:
+        table = read(args.source, runs=args.run, endpoint_url=args.endpoint_url)
+    except (FileNotFoundError, OSError) as err:
+        print(f"episodes.py: error: {err}", file=sys.stderr)
+        return 2
+    summary = summarize(table)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    """Returns the summary as a few readable lines."""
+    lines = [
+        f"{summary['episodes']} episodes from {len(summary['runs'])} run(s): "
+        f"{', '.join(summary['runs'])}",
+        f"trained on: {summary['trained']}; without a reward: {summary['without_reward']}",
+        "reward mean by policy version:",
+    ]
+    for version, mean in summary["reward_mean_by_policy_version"].items():
+        lines.append(f"  v{version:<6} {mean:8.4f}")
+    lines.append(
+        "finish reasons: " + ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items())
+    )
+    failures = summary["reward_failures"]
+    lines.append(
+        "reward failures: " + (", ".join(f"{k} {v}" for k, v in failures.items()) or "none")
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

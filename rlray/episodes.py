@@ -1,0 +1,82 @@
+"""Reading an episode store back: `rlray.episodes.read(path_or_s3_uri)` and a summary.
+
+    import rlray.episodes
+    table = rlray.episodes.read("runs/exp1/episodes")          # or "s3://bucket/prefix"
+    table.to_pandas()                                           # if pandas is installed
+
+The table has the columns of rlray.episode.EPISODE_SCHEMA, one row per episode, from
+every run and date under the path (filter with `runs=[...]`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from rlray.episode import EPISODE_SCHEMA
+
+
+def read(
+    source: str | Path, runs: list[str] | None = None, endpoint_url: str | None = None
+) -> pa.Table:
+    """Returns every episode stored under a local directory or an s3:// URI as a Table
+    with EPISODE_SCHEMA (rows of `runs` only, if given). Raises FileNotFoundError if the
+    source holds no episode file."""
+    filesystem, path = _filesystem(str(source), endpoint_url)
+    partitioning = ds.partitioning(
+        pa.schema([("run", pa.string()), ("date", pa.string())]), flavor="hive"
+    )
+    dataset = ds.dataset(
+        path,
+        format="parquet",
+        filesystem=filesystem,
+        partitioning=partitioning,
+        exclude_invalid_files=True,
+        ignore_prefixes=[".", "_"],
+    )
+    if not dataset.files:
+        raise FileNotFoundError(f"no episode files under {source}")
+    table = dataset.to_table(filter=pc.field("run").isin(runs) if runs else None)
+    return table.select(EPISODE_SCHEMA.names).cast(EPISODE_SCHEMA)
+
+
+def _filesystem(source: str, endpoint_url: str | None) -> tuple[Any, str]:
+    if source.startswith("s3://"):
+        from pyarrow import fs
+
+        # Credentials from the standard AWS chain, as boto3 uses them.
+        return fs.S3FileSystem(endpoint_override=endpoint_url), source.removeprefix("s3://")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"no such episode store: {source}")
+    return None, str(path)
+
+
+def summarize(table: pa.Table) -> dict[str, Any]:
+    """Returns counts, reward mean by policy version, finish reasons and reward
+    failures (components without a value) of a table of episodes."""
+    rows = table.select(
+        ["run_id", "policy_version", "reward", "reward_components", "finish_reason", "trained_at"]
+    ).to_pylist()
+    by_version: dict[int, list[float]] = defaultdict(list)
+    failures: Counter[str] = Counter()
+    for row in rows:
+        if row["reward"] is not None:
+            by_version[row["policy_version"]].append(row["reward"])
+        failures.update(name for name, value in row["reward_components"] or [] if value is None)
+    return {
+        "episodes": len(rows),
+        "runs": sorted({row["run_id"] for row in rows}),
+        "trained": sum(row["trained_at"] is not None for row in rows),
+        "without_reward": sum(row["reward"] is None for row in rows),
+        "reward_mean_by_policy_version": {
+            version: sum(values) / len(values) for version, values in sorted(by_version.items())
+        },
+        "finish_reasons": dict(Counter(row["finish_reason"] for row in rows).most_common()),
+        "reward_failures": dict(failures.most_common()),
+    }

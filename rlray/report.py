@@ -1,0 +1,152 @@
+"""The end-of-run report: report.png, four panels drawn from metrics.jsonl and summary.json.
+
+Reward, held-out accuracy, KL and throughput against the learner step, one look to tell
+whether a run learned. Drawn with matplotlib's Agg canvas on a bare `Figure` (no pyplot),
+so it needs no display and leaves any other plotting in the process alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+MARKER_MAX_POINTS = 60
+"""Up to this many points a curve gets markers: a run of one step is then still a dot."""
+
+LABELLED_EVALS_MAX = 12
+"""Up to this many evaluations each is labelled with its accuracy; beyond, first and last."""
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Returns metrics.jsonl's records by step, in step order.
+
+    A resumed run appends the steps after its checkpoint again; the later line wins.
+    """
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step.setdefault(int(record["step"]), {}).update(record)
+    return dict(sorted(by_step.items()))
+
+
+def series(records: dict[int, dict[str, Any]], field: str) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (steps, values) of the steps where `field` is a finite number."""
+    points = [(step, r.get(field)) for step, r in records.items() if _finite(r.get(field))]
+    steps = np.array([step for step, _ in points], dtype=float)
+    return steps, np.array([value for _, value in points], dtype=float)
+
+
+def _finite(value: Any) -> bool:
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number and math.isfinite(value)
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Returns the mean of each value and the up to `window - 1` values before it."""
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def write_report(run_dir: Path) -> Path:
+    """Returns the path of the report.png it writes into `run_dir`."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
+    # One x axis for all four: a jump in KL lines up with the reward at the same step.
+    (reward, accuracy), (kl, throughput) = figure.subplots(2, 2, sharex=True)
+    _plot_reward(reward, records)
+    _plot_accuracy(accuracy, records)
+    _plot_kl(kl, records)
+    _plot_throughput(throughput, records)
+    figure.suptitle(_title(run_dir, records), fontsize=14)
+    path = run_dir / "report.png"
+    figure.savefig(path)
+    return path
+
+
+def _plot_reward(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+    steps, rewards = series(records, "reward_mean")
+    _line(axes, steps, rewards, "per step", alpha=0.5)
+    if len(rewards) > 1:
+        window = max(2, min(20, len(rewards) // 5))
+        _line(axes, steps, rolling_mean(rewards, window), f"rolling mean ({window} steps)")
+    _decorate(axes, "Reward (mean over the batch)", "reward", has_data=len(rewards) > 0)
+
+
+def _plot_accuracy(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+    steps, accuracy = series(records, "eval_accuracy")
+    # Markers always: evaluations are a few points, each of which counts.
+    axes.plot(steps, accuracy, marker="o", markersize=6)
+    labelled = range(len(accuracy)) if len(accuracy) <= LABELLED_EVALS_MAX else [0, -1]
+    for i in labelled:
+        axes.annotate(
+            f"{accuracy[i]:.3f}",
+            (steps[i], accuracy[i]),
+            textcoords="offset points",
+            xytext=(0, 7),
+            ha="center",
+        )
+    axes.set_ylim(0, 1.08)  # the whole range, and room for the label of a 1.0
+    _decorate(axes, "Held-out accuracy", "accuracy", has_data=len(accuracy) > 0, legend=False)
+
+
+def _plot_kl(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+    steps, kl = series(records, "kl")
+    _line(axes, steps, kl, "KL")
+    _decorate(axes, "KL to the reference model", "KL", has_data=len(kl) > 0, legend=False)
+
+
+def _plot_throughput(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+    drawn = []
+    for field, label in [
+        ("rollout_tokens_per_s", "rollout (generation)"),
+        ("learner_tokens_per_s", "learner (PPO update)"),
+    ]:
+        steps, rate = series(records, field)
+        if len(rate):
+            _line(axes, steps, rate, label)
+            drawn.append(rate.max())
+    # From zero, so that a drop reads as its true share; headroom above for the legend.
+    axes.set_ylim(0, max(drawn, default=0.0) * 1.25 or 1.0)
+    _decorate(axes, "Throughput", "tokens / s", has_data=bool(drawn))
+
+
+def _line(axes: Axes, steps: np.ndarray, values: np.ndarray, label: str, **style: Any) -> None:
+    marker = "o" if len(values) <= MARKER_MAX_POINTS else None
+    axes.plot(steps, values, label=label, marker=marker, markersize=3, **style)
+
+
+def _decorate(axes: Axes, title: str, ylabel: str, has_data: bool, legend: bool = True) -> None:
+    axes.set_title(title)
+    if axes.get_subplotspec().is_last_row():  # the top row shares the bottom row's x axis
+        axes.set_xlabel("learner step")
+    axes.set_ylabel(ylabel)
+    axes.grid(True, alpha=0.3)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if not has_data:
+        axes.text(0.5, 0.5, "no data", transform=axes.transAxes, ha="center", color="gray")
+    elif legend:
+        axes.legend(loc="best")
+
+
+def _title(run_dir: Path, records: dict[int, dict[str, Any]]) -> str:
+    """Returns the run id and the held-out accuracy at start and end."""
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    run_id = Path(summary.get("run_dir") or run_dir).name
+    _, evals = series(records, "eval_accuracy")
+    initial = summary.get("initial_eval_accuracy", evals[0] if len(evals) else None)
+    final = summary.get("final_eval_accuracy", evals[-1] if len(evals) else None)
+    if not (_finite(initial) and _finite(final)):
+        return run_id
+    return f"{run_id}    held-out accuracy {initial:.3f} -> {final:.3f}"

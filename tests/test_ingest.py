@@ -1,0 +1,205 @@
+"""The ingestion endpoint over real HTTP: validation, auth, limits, idempotent retries,
+scoring, storing and queueing for training (with the run's real reward, store, buffer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+from aiohttp import web
+
+from rlray.buffer import BufferedBatch, EpisodeBuffer
+from rlray.config import Config, ConfigError, RewardSpec, validate
+from rlray.episodes import read
+from rlray.ingest import IngestService, make_app
+from rlray.rewards import RewardWorker
+from rlray.store import EpisodeStore
+from tests.conftest import free_port
+
+TOKEN = "s3cret"
+
+
+@dataclass
+class Endpoint:
+    url: str
+    service: IngestService
+    store: EpisodeStore
+    buffer: EpisodeBuffer
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    scorer = RewardWorker("reward-0", [RewardSpec("exact_match")])
+    store = EpisodeStore(tmp_path / "episodes", "ext", rows_per_file=1000, flush_every_s=3600)
+    buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
+
+    async def score(episodes):
+        return scorer.score(episodes)[0]
+
+    async def save(episodes):
+        store.append(episodes)
+
+    async def enqueue(episodes):
+        if not buffer.reserve(len(episodes)):
+            return 0
+        buffer.add(BufferedBatch([episodes], -1, len(episodes), -1, batch_id=0, external=True))
+        return len(episodes)
+
+    service = IngestService(TOKEN, score, save, enqueue)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(service, max_body_bytes=4096))
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield Endpoint(f"http://127.0.0.1:{port}", service, store, buffer)
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=30)
+
+
+def request(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    method = "POST" if body is not None else "GET"
+    req = urllib.request.Request(url, data=body, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def episode(episode_id: str, **fields) -> dict:
+    return {
+        "run_id": "ext",
+        "episode_id": episode_id,
+        "prompt": "2+2=",
+        "completion": "4",
+        **fields,
+    }
+
+
+def post(endpoint: Endpoint, payload, token: str | None = TOKEN) -> tuple[int, dict]:
+    return request(f"{endpoint.url}/v1/episodes", json.dumps(payload).encode(), token)
+
+
+def test_posted_episodes_are_scored_stored_and_queued(endpoint):
+    spans = [{"kind": "tool_call", "started_at": 1.5, "name": "calc", "arguments": '{"a": 2}'}]
+    payload = {
+        "episodes": [
+            episode("a", columns={"answer": "4"}, spans=spans),  # scored by the run's reward
+            episode("b", reward=0.25, reward_components={"judge": 0.25}),
+        ]
+    }
+    status, answer = post(endpoint, payload)
+    assert status == 200
+    assert answer == {"accepted": 2, "duplicates": 0, "scored": 1, "queued_for_training": 2}
+    endpoint.store.flush()
+    rows = {r["episode_id"]: r for r in read(endpoint.store.root).to_pylist()}
+    assert rows["a"]["reward"] == 1.0 and dict(rows["a"]["reward_components"]) == {
+        "exact_match": 1.0
+    }
+    assert rows["b"]["reward"] == 0.25 and rows["b"]["policy_version"] == -1
+    assert rows["a"]["spans"][0]["name"] == "calc"
+    # Off-policy by design: a learner far ahead does not drop them as stale.
+    taken = endpoint.buffer.take(2, learner_version=50)
+    assert taken is not None and taken.dropped == []
+
+
+def test_a_retried_post_is_neither_stored_nor_queued_twice(endpoint):
+    payload = [episode("x", reward=1.0), episode("y", reward=0.0)]
+    assert post(endpoint, payload)[1]["accepted"] == 2
+    status, answer = post(endpoint, payload)
+    assert status == 200 and answer["accepted"] == 0 and answer["duplicates"] == 2
+    endpoint.store.flush()
+    assert sorted(read(endpoint.store.root).column("episode_id").to_pylist()) == ["x", "y"]
+    assert endpoint.buffer.stats()["buffer_depth"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (b"{not json", 400, "body is not valid JSON"),
+        (b"[]", 400, "body must be an episode object"),
+        (
+            json.dumps({"run_id": "r", "episode_id": "e", "prompt": "p"}),
+            400,
+            "episodes[0].completion: missing",
+        ),
+        (
+            json.dumps(episode("e", reward="high")),
+            400,
+            "episodes[0].reward: expected an integer or a number or null, got str",
+        ),
+        (json.dumps(episode("e", prompt=7)), 400, "episodes[0].prompt: expected a string, got int"),
+        (
+            json.dumps(episode("e", reward=True)),
+            400,
+            "episodes[0].reward: expected an integer or a number or null, got a boolean",
+        ),
+        (json.dumps(episode("e", colour="red")), 400, "episodes[0].colour: unknown field"),
+        (
+            json.dumps(episode("e", spans=[{"kind": "dream", "started_at": 1}])),
+            400,
+            "episodes[0].spans[0].kind: expected one of",
+        ),
+        (json.dumps(episode("e", completion="x" * 5000)), 413, "body over the limit of 4096 bytes"),
+    ],
+    ids=[
+        "malformed",
+        "empty",
+        "missing",
+        "wrong-type",
+        "prompt-type",
+        "bool",
+        "unknown",
+        "span",
+        "oversized",
+    ],
+)
+def test_bad_requests_get_a_4xx_with_a_message(endpoint, body, status, message):
+    body = body if isinstance(body, bytes) else body.encode()
+    got_status, answer = request(f"{endpoint.url}/v1/episodes", body)
+    assert got_status == status
+    assert message in answer["error"]
+    assert request(f"{endpoint.url}/v1/health")[0] == 200  # still serving
+
+
+def test_requests_without_the_token_are_refused(endpoint):
+    assert post(endpoint, episode("t", reward=1.0), token=None)[0] == 401
+    status, answer = post(endpoint, episode("t", reward=1.0), token="wrong")
+    assert status == 401 and answer["error"] == "missing or wrong bearer token"
+    assert endpoint.store.stats().buffered == 0
+
+
+def test_health_counts_accepted_rejected_and_duplicates(endpoint):
+    post(endpoint, episode("h", reward=1.0))
+    post(endpoint, episode("h", reward=1.0))
+    post(endpoint, {"nope": 1})
+    status, health = request(f"{endpoint.url}/v1/health")
+    assert status == 200
+    assert health == {
+        "status": "ok",
+        "accepted": 1,
+        "rejected": 1,
+        "duplicates": 1,
+        "queued_for_training": 1,
+    }
+
+
+def test_binding_beyond_loopback_needs_a_token(monkeypatch):
+    monkeypatch.delenv("RLRAY_INGEST_TOKEN", raising=False)
+    config = Config()
+    config.ingest.enabled, config.ingest.host = True, "0.0.0.0"
+    with pytest.raises(ConfigError, match=r"ingest\.host: serving 0\.0\.0\.0 needs a token"):
+        validate(config)
+    monkeypatch.setenv("RLRAY_INGEST_TOKEN", "t")
+    validate(config)

@@ -1,0 +1,83 @@
+"""EpisodeStore writes batched, partitioned Parquet that rlray.episodes reads back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlray.episodes import read, summarize
+from rlray.store import EpisodeStore, mark_trained
+from tests.jobs_helper import REPO
+from tests.test_episode import make_episode
+
+
+def episodes(count: int, start: int = 0, **fields):
+    return [make_episode(episode_id=f"run-{start + i}", **fields) for i in range(count)]
+
+
+def test_rows_are_written_in_batches_partitioned_by_run_and_date(tmp_path):
+    store = EpisodeStore(tmp_path, "run", rows_per_file=4, flush_every_s=3600)
+    store.append(episodes(3))
+    assert not list(tmp_path.rglob("*.parquet"))  # below a file's worth: still buffered
+    store.append(episodes(3, start=3))
+    files = list(tmp_path.rglob("*.parquet"))
+    assert len(files) == 1 and pq.read_metadata(files[0]).num_rows == 6 - 2
+    assert files[0].parent.parent.name == "run=run" and files[0].parent.name.startswith("date=")
+    assert store.close() == []
+    assert sorted(read(tmp_path).column("episode_id").to_pylist()) == sorted(
+        f"run-{i}" for i in range(6)
+    )
+
+
+def test_read_round_trips_every_field_and_filters_runs(tmp_path):
+    first, second = EpisodeStore(tmp_path, "a"), EpisodeStore(tmp_path, "b")
+    stored = episodes(2, run_id="a")
+    first.append(stored)
+    second.append(episodes(1, run_id="b"))
+    first.close(), second.close()
+    from rlray.episode import from_table
+
+    assert from_table(read(tmp_path, runs=["a"])) == stored
+    assert read(tmp_path).num_rows == 3
+
+
+def test_missing_store_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such episode store"):
+        read(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no episode files"):
+        read(tmp_path)
+
+
+def test_mark_trained_leaves_dropped_episodes_untrained():
+    kept, dropped = make_episode(), make_episode(reward=None)
+    mark_trained([kept, dropped], 1700000000.0)
+    assert kept.trained_at == 1700000000.0 and dropped.trained_at is None
+
+
+def test_summary_and_the_episodes_tool(tmp_path):
+    store = EpisodeStore(tmp_path, "run")
+    scored = {"reward_components": {"exact_match": 1.0}}
+    store.append(episodes(2, policy_version=0, reward=1.0, **scored))
+    store.append(
+        episodes(2, start=2, policy_version=1, reward=0.0, finish_reason="length", **scored)
+    )
+    store.append(
+        episodes(1, start=4, policy_version=1, reward=None, reward_components={"exact_match": None})
+    )
+    store.close()
+    summary = summarize(read(tmp_path))
+    assert summary["episodes"] == 5
+    assert summary["reward_mean_by_policy_version"] == {0: 1.0, 1: 0.0}
+    assert summary["finish_reasons"] == {"length": 2, "stop": 3}
+    assert summary["reward_failures"] == {"exact_match": 1}
+    tool = [sys.executable, str(REPO / "jobs" / "episodes.py"), str(tmp_path)]
+    out = subprocess.run([*tool, "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout)["episodes"] == 5
+    text = subprocess.run(tool, capture_output=True, text=True, timeout=120).stdout
+    assert "5 episodes from 1 run(s): run" in text and "reward failures: exact_match 1" in text
+    missing = subprocess.run([*tool[:2], str(tmp_path / "x")], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.startswith("episodes.py: error: ")
