@@ -309,8 +309,8 @@ class IngestActor:
     async def _store(self, episodes: list[Episode]) -> None:
         await self.actors.store.append_episodes.remote(episodes)
 
-    async def _enqueue(self, episodes: list[Episode]) -> int:
-        """Queues posted episodes for training if the buffer has room; returns how many."""
+    async def _enqueue(self, episodes: list[Episode]) -> set[str]:
+        """Queues posted episodes for training if the buffer has room; returns their ids."""
         trainable = [e for e in episodes if e.reward is not None]
         for episode in trainable:
             if not episode.prompt_token_ids or not episode.completion_token_ids:
@@ -319,7 +319,7 @@ class IngestActor:
                 episode.completion_token_ids = [*completion, self.tokenizer.eos_token_id]
                 episode.rollout_logprobs = []  # unknown: the learner uses its own
         if not trainable or not await self.actors.buffer.reserve.remote(len(trainable)):
-            return 0
+            return set()
         batch = BufferedBatch(
             ref=[ray.put(trainable)],
             policy_version=EXTERNAL_POLICY_VERSION,
@@ -329,7 +329,7 @@ class IngestActor:
             external=True,
         )
         await self.actors.buffer.add.remote(batch)
-        return len(trainable)
+        return {e.episode_id for e in trainable}
 
 
 def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: float) -> str:

@@ -156,14 +156,16 @@ class IngestCounts:
 
 Score = Callable[[list[Episode]], Awaitable[list[Episode]]]
 Store = Callable[[list[Episode]], Awaitable[None]]
-Enqueue = Callable[[list[Episode]], Awaitable[int]]
+Enqueue = Callable[[list[Episode]], Awaitable[set[str]]]
 
 
 class IngestService:
     """Validates, deduplicates, scores, stores and (optionally) queues posted episodes.
 
     `score`, `store` and `enqueue` are the run's reward, store and buffer, as async
-    callables (actor calls in a job, plain objects in tests)."""
+    callables (actor calls in a job, plain objects in tests). `enqueue` returns the ids it
+    queued for training: those reach the store from the buffer, with the time they were
+    trained on, like the run's own episodes; the rest are stored here."""
 
     def __init__(self, token: str, score: Score, store: Store, enqueue: Enqueue | None):
         self.token = token
@@ -189,19 +191,19 @@ class IngestService:
             unscored = [e for e in fresh if e.reward is None]
             scored = {e.episode_id: e for e in await self.score(unscored)} if unscored else {}
             fresh = [scored.get(e.episode_id, e) for e in fresh]
-            await self.store(fresh)
+            queued = await self.enqueue(fresh) if self.enqueue and fresh else set()
+            await self.store([e for e in fresh if e.episode_id not in queued])
         except Exception:
             self.seen.difference_update(e.episode_id for e in fresh)  # a retry may succeed
             raise
-        queued = await self.enqueue(fresh) if self.enqueue and fresh else 0
         self.counts.accepted += len(fresh)
         self.counts.duplicates += duplicates
-        self.counts.queued_for_training += queued
+        self.counts.queued_for_training += len(queued)
         return {
             "accepted": len(fresh),
             "duplicates": duplicates,
             "scored": len(unscored),
-            "queued_for_training": queued,
+            "queued_for_training": len(queued),
         }
 
     def health(self) -> dict[str, Any]:

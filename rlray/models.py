@@ -41,7 +41,7 @@ SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 
 def cache_dir() -> Path:
     """Returns rlray's cache folder: $RLRAY_CACHE_DIR, else ~/.cache/rlray."""
-    return Path(os.environ.get("RLRAY_CACHE_DIR", Path.home() / ".cache" / "rlray"))
+    return Path(os.environ.get("RLRAY_CACHE_DIR") or Path.home() / ".cache" / "rlray")
 
 
 def resolve_model_path(spec: str) -> str:

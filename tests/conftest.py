@@ -18,6 +18,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+AWS_TEST_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 # Token authentication on, as `ray start` has it whenever ~/.ray/auth_token exists;
 # every client of the session's cluster (this process, jobs, the CLI) sends the token.
@@ -44,8 +49,14 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
     tests' actors never wait on each other) and stops it at the end of the session."""
     port, dashboard_port = free_port(), free_port()
     bin_dir = str(Path(sys.executable).parent)
-    # Jobs submitted to this cluster run `python` from the same virtualenv.
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # Jobs submitted to this cluster run `python` from the same virtualenv. Its nodes
+    # hold (fake) AWS credentials, as cluster nodes with an instance role do, for the
+    # S3 server the store tests start.
+    env = {
+        **os.environ,
+        **AWS_TEST_CREDENTIALS,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     subprocess.run(
         [f"{bin_dir}/ray", "get-auth-token", "--generate"],
         env=env,
@@ -120,3 +131,9 @@ def ray_session(ray_cluster):
     if not ray.is_initialized():
         ray.init(address=ray_cluster.address, log_to_driver=False)
     return ray_cluster
+
+
+@pytest.fixture(scope="session")
+def job_env(ray_cluster) -> dict[str, str]:
+    """Environment for `python jobs/ppo.py` subprocesses that join the session's cluster."""
+    return {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}

@@ -45,10 +45,11 @@ def endpoint(tmp_path):
         store.append(episodes)
 
     async def enqueue(episodes):
-        if not buffer.reserve(len(episodes)):
-            return 0
-        buffer.add(BufferedBatch([episodes], -1, len(episodes), -1, batch_id=0, external=True))
-        return len(episodes)
+        trainable = [e for e in episodes if e.reward is not None and e.columns.get("train")]
+        if not trainable or not buffer.reserve(len(trainable)):
+            return set()
+        buffer.add(BufferedBatch([trainable], -1, len(trainable), -1, batch_id=0, external=True))
+        return {e.episode_id for e in trainable}
 
     service = IngestService(TOKEN, score, save, enqueue)
     port = free_port()
@@ -96,32 +97,33 @@ def test_posted_episodes_are_scored_stored_and_queued(endpoint):
     payload = {
         "episodes": [
             episode("a", columns={"answer": "4"}, spans=spans),  # scored by the run's reward
-            episode("b", reward=0.25, reward_components={"judge": 0.25}),
+            episode("b", reward=0.25, reward_components={"judge": 0.25}, columns={"train": 1}),
         ]
     }
     status, answer = post(endpoint, payload)
     assert status == 200
-    assert answer == {"accepted": 2, "duplicates": 0, "scored": 1, "queued_for_training": 2}
+    assert answer == {"accepted": 2, "duplicates": 0, "scored": 1, "queued_for_training": 1}
     endpoint.store.flush()
-    rows = {r["episode_id"]: r for r in read(endpoint.store.root).to_pylist()}
-    assert rows["a"]["reward"] == 1.0 and dict(rows["a"]["reward_components"]) == {
-        "exact_match": 1.0
-    }
-    assert rows["b"]["reward"] == 0.25 and rows["b"]["policy_version"] == -1
-    assert rows["a"]["spans"][0]["name"] == "calc"
-    # Off-policy by design: a learner far ahead does not drop them as stale.
-    taken = endpoint.buffer.take(2, learner_version=50)
+    # Stored now: what is not queued. The queued one is stored once trained (or at the end).
+    (stored,) = read(endpoint.store.root).to_pylist()
+    assert stored["episode_id"] == "a" and stored["reward"] == 1.0
+    assert dict(stored["reward_components"]) == {"exact_match": 1.0}
+    assert stored["spans"][0]["name"] == "calc" and stored["policy_version"] == -1
+    # Off-policy by design: a learner far ahead does not drop it as stale.
+    taken = endpoint.buffer.take(1, learner_version=50)
     assert taken is not None and taken.dropped == []
+    (queued,) = taken.batches[0].ref[0]
+    assert queued.episode_id == "b" and queued.reward == 0.25
 
 
 def test_a_retried_post_is_neither_stored_nor_queued_twice(endpoint):
-    payload = [episode("x", reward=1.0), episode("y", reward=0.0)]
+    payload = [episode("x", reward=1.0, columns={"train": 1}), episode("y", reward=0.0)]
     assert post(endpoint, payload)[1]["accepted"] == 2
     status, answer = post(endpoint, payload)
     assert status == 200 and answer["accepted"] == 0 and answer["duplicates"] == 2
     endpoint.store.flush()
-    assert sorted(read(endpoint.store.root).column("episode_id").to_pylist()) == ["x", "y"]
-    assert endpoint.buffer.stats()["buffer_depth"] == 2
+    assert read(endpoint.store.root).column("episode_id").to_pylist() == ["y"]
+    assert endpoint.buffer.stats()["buffer_depth"] == 1
 
 
 @pytest.mark.parametrize(
@@ -191,7 +193,7 @@ def test_health_counts_accepted_rejected_and_duplicates(endpoint):
         "accepted": 1,
         "rejected": 1,
         "duplicates": 1,
-        "queued_for_training": 1,
+        "queued_for_training": 0,
     }
 
 

@@ -20,11 +20,6 @@ TRAINING_VALUES = ("reward_mean", "policy_loss", "value_loss", "kl", "entropy", 
 
 
 @pytest.fixture(scope="module")
-def job_env(ray_cluster):
-    return {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}
-
-
-@pytest.fixture(scope="module")
 def five_step_runs(job_env, tmp_path_factory):
     """Two identical 5-step runs, and a 3-step run that is then resumed to step 5."""
     root = tmp_path_factory.mktemp("runs")
