@@ -181,3 +181,24 @@ def test_episodes_posted_during_a_run_are_stored_once(job_env, tmp_path):
     assert sorted(r["episode_id"] for r in outside) == ["outside-0", "outside-1", "outside-2"]
     assert all(r["reward"] == 1.0 for r in outside)  # scored by the run's exact_match
     assert len(metrics(run_dir)) == 8
+
+
+def test_collect_job_writes_every_episode_without_training(job_env, tmp_path):
+    run_dir = tmp_path / "collect"
+    collect = [sys.executable, str(REPO / "jobs" / "collect.py")]
+    args = ["--prompts", "20", "--rollout.prompts_per_batch", "8", "--run-dir", str(run_dir)]
+    result = subprocess.run(
+        [*collect, *args], cwd=REPO, env=job_env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = read(run_dir / "episodes")
+    expected = {f"{run_dir.name}-{p}-{s}" for p in range(20) for s in range(4)}
+    assert set(table.column("episode_id").to_pylist()) == expected and table.num_rows == 80
+    assert table["trained_at"].null_count == 80  # collected, never trained on
+    assert table["reward"].null_count == 0
+    assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 80
+    no_count = subprocess.run(
+        [*collect, "--run-dir", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True
+    )
+    assert no_count.returncode == 2
+    assert "--prompts: the built-in task has no end" in no_count.stderr
