@@ -21,7 +21,14 @@ from pathlib import Path
 # working directory is the repository, so this finds rlray without an install too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.actors import ActorFailure, connect, required_cpus, start_actors, start_ingest
+from rlray.actors import (
+    ActorFailure,
+    actor_nodes,
+    connect,
+    required_cpus,
+    start_actors,
+    start_ingest,
+)
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
 from rlray.driver import MetricsLog, PPODriver, RunPlan, plan_run, write_config
 from rlray.learner import checkpoint_version
@@ -52,6 +59,8 @@ def main(argv: list[str]) -> int:
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
+    nodes = actor_nodes(actors, config.ray.call_timeout_s)
+    (plan.run_dir / "placement.json").write_text(json.dumps(nodes, indent=2))
     driver = PPODriver(plan, actors, *resume_point(plan))
     trackers = open_trackers(plan)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C

@@ -22,15 +22,18 @@ import torch
 from aiohttp import web
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rlray.buffer import BufferedBatch, EpisodeBuffer
+from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.config import Config, IngestConfig, StoreConfig
+from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
 from rlray.learner import Learner, StepMetrics, checkpoint_version
 from rlray.models import load_tokenizer
-from rlray.rewards import RewardWorker
-from rlray.rollout import RolloutWorker, vllm_env
+from rlray.placement import Placement, role_resources
+from rlray.rewards import RewardWorker, ScoreStats
+from rlray.rollout import EvalResult, RolloutWorker, vllm_env
 from rlray.store import StoreStats, mark_trained, open_store
+from rlray.telemetry import Telemetry
 
 
 class ActorFailure(RuntimeError):
@@ -67,9 +70,18 @@ class LearnerActor(Learner):
     """The Learner, plus what needs Ray: it resolves episode references itself, so
     episode data goes object store -> learner and never through the driver."""
 
+    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(run_id, "learner")
+
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
         """Fetches the referenced episode batches and runs one PPO step on them."""
-        return self.train_step(resolve_episodes(batch_refs, timeout_s))
+        metrics = self.train_step(resolve_episodes(batch_refs, timeout_s))
+        self.telemetry.set("rlray_reward_mean", metrics.reward_mean)
+        self.telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)
+        self.telemetry.set("rlray_logprob_parity_error", metrics.logprob_parity_error)
+        self.telemetry.set("rlray_policy_version", metrics.policy_version)
+        return metrics
 
     def publish_weights(self) -> tuple[int, dict[str, np.ndarray]]:
         """Returns (version, weights) as numpy arrays. Returned from an actor method, the
@@ -81,15 +93,73 @@ class LearnerActor(Learner):
 class RolloutActor(RolloutWorker):
     """The RolloutWorker; weights arrive as numpy arrays from the object store."""
 
-    def load_published(self, published: tuple[int, dict[str, np.ndarray]]) -> float:
-        """Loads a published (version, weights) pair in place; returns seconds taken."""
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(self.run_id, self.name)
+        self.telemetry.set("rlray_policy_version", self.policy_version)
+
+    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
+        episodes, stats = super().generate(rows, first_prompt_index)
+        self.telemetry.set(
+            "rlray_rollout_tokens_per_second", stats.completion_tokens / stats.seconds
+        )
+        self.telemetry.add("rlray_episodes_generated", stats.episodes)
+        return episodes, stats
+
+    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+        result = super().evaluate(rows, examples)
+        self.telemetry.set("rlray_eval_accuracy", result.accuracy)
+        return result
+
+    def load_published(self, published: tuple[int, dict[str, np.ndarray]]) -> tuple[int, float]:
+        """Loads a published (version, weights) pair in place; returns the version now
+        held and the seconds it took."""
         version, arrays = published
         with warnings.catch_warnings():
             # The object store hands out read-only arrays and torch warns about sharing
             # them; vLLM only reads them (it copies into its own parameters).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             weights = {name: torch.from_numpy(a) for name, a in arrays.items()}
-        return self.load_weights(version, weights)
+        seconds = self.load_weights(version, weights)
+        self.telemetry.set("rlray_policy_version", self.policy_version)
+        return self.policy_version, seconds
+
+
+class RewardActor(RewardWorker):
+    """The RewardWorker, counting what it scores for the dashboard."""
+
+    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(run_id, self.name)
+
+    def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
+        scored, stats = super().score(episodes, step)
+        self.telemetry.add("rlray_episodes_scored", stats.episodes)
+        return scored, stats
+
+
+class BufferActor(EpisodeBuffer):
+    """The EpisodeBuffer, reporting depth, stale drops and staleness for the dashboard."""
+
+    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(run_id)
+        self.telemetry.set("rlray_dropped_stale", 0)
+        self.telemetry.set("rlray_buffer_depth", 0)
+
+    def add(self, batch: BufferedBatch) -> None:
+        super().add(batch)
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+
+    def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
+        taken = super().take(num_episodes, learner_version)
+        self.telemetry.set("rlray_dropped_stale", self.dropped_stale_episodes)
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+        for batch in taken.batches if taken else []:
+            if not batch.external:
+                staleness = learner_version - batch.policy_version
+                self.telemetry.observe("rlray_staleness", staleness, batch.num_episodes)
+        return taken
 
 
 @dataclass
@@ -105,6 +175,7 @@ class Actors:
     buffer: Any = None
     learner: Any = None
     ingest: Any = None
+    placement: Placement | None = None
 
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
@@ -121,9 +192,12 @@ class Actors:
         ]
 
     def kill(self) -> None:
-        """Stops every actor (their names become free for the next run)."""
+        """Stops every actor (their names become free for the next run) and gives their
+        placement groups back."""
         for _, handle in self.all():
             ray.kill(handle, no_restart=True)
+        if self.placement is not None:
+            self.placement.release()
 
 
 class StoreActor:
@@ -199,31 +273,44 @@ def start_actors(
     checkpoint: str | None = None,
     train: bool = True,
 ) -> Actors:
-    """Starts a run's actors (without buffer and learner when not `train`) and waits,
-    with a timeout, until each is up."""
+    """Reserves each role's placement group, starts a run's actors in them (without
+    buffer and learner when not `train`) and waits, with a timeout, until each is up."""
+    timeout = config.ray.actor_start_timeout_s
+    placement = Placement(run_id)
+    roles = role_resources(config)
+    for role in ("rollout", "reward", "learner") if train else ("rollout", "reward"):
+        problem = placement.reserve(roles[role], timeout)
+        if problem:
+            placement.release()
+            raise ActorFailure(problem)
     rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
     reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
     actors = Actors(
-        rollout=_start_rollout_workers(config, rollout_names, model_path, run_id, checkpoint),
+        rollout=_start_rollout_workers(
+            config, rollout_names, model_path, run_id, checkpoint, placement
+        ),
         rollout_names=rollout_names,
-        reward=[_start_reward_worker(config, name) for name in reward_names],
+        reward=[
+            _start_reward_worker(config, name, run_id, placement.actor_options("reward", i))
+            for i, name in enumerate(reward_names)
+        ],
         reward_names=reward_names,
         store=ray.remote(StoreActor)
         .options(name="store", num_cpus=0)
         .remote(config.store, config.run_dir, run_id),
+        placement=placement,
     )
     if train:
         actors.buffer = (
-            ray.remote(EpisodeBuffer)
+            ray.remote(BufferActor)
             .options(name="buffer", num_cpus=0)
-            .remote(config.buffer.capacity_episodes, config.buffer.max_staleness)
+            .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
         )
-        actors.learner = _start_learner(config, model_path, checkpoint)
+        options = placement.actor_options("learner", 0)
+        actors.learner = _start_learner(config, model_path, run_id, checkpoint, options)
     try:
         for name, handle in actors.all():
-            wait_for(
-                handle.__ray_ready__.remote(), name, "start-up", config.ray.actor_start_timeout_s
-            )
+            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
     except ActorFailure:
         actors.kill()
         raise
@@ -231,38 +318,42 @@ def start_actors(
 
 
 def _start_rollout_workers(
-    config: Config, names: list[str], model_path: str, run_id: str, checkpoint: str | None
+    config: Config,
+    names: list[str],
+    model_path: str,
+    run_id: str,
+    checkpoint: str | None,
+    placement: Placement,
 ) -> list[Any]:
     rollout_model = f"{checkpoint}/policy" if checkpoint else model_path
     version = checkpoint_version(checkpoint) if checkpoint else 0
-    options = {
-        "num_cpus": config.rollout.cpus_per_worker,
-        "num_gpus": config.rollout.gpus_per_worker,
-        "runtime_env": {"env_vars": vllm_env(config.rollout)},
-    }
+    env = {"env_vars": vllm_env(config.rollout)}
     return [
         ray.remote(RolloutActor)
-        .options(name=name, **options)
+        .options(name=name, runtime_env=env, **placement.actor_options("rollout", i))
         .remote(name, rollout_model, config.model, config.rollout, run_id, config.seed + i, version)
         for i, name in enumerate(names)
     ]
 
 
-def _start_reward_worker(config: Config, name: str) -> Any:
+def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) -> Any:
     reward = config.reward
     return (
-        ray.remote(RewardWorker)
-        .options(name=name, num_cpus=reward.cpus_per_worker)
-        .remote(name, reward.functions, reward.on_failure, reward.batch_size)
+        ray.remote(RewardActor)
+        .options(name=name, **options)
+        .remote(run_id, name, reward.functions, reward.on_failure, reward.batch_size)
     )
 
 
-def _start_learner(config: Config, model_path: str, checkpoint: str | None) -> Any:
+def _start_learner(
+    config: Config, model_path: str, run_id: str, checkpoint: str | None, options: dict
+) -> Any:
     device = "cuda" if config.learner.gpus > 0 else "cpu"
     return (
         ray.remote(LearnerActor)
-        .options(name="learner", num_cpus=config.learner.cpus, num_gpus=config.learner.gpus)
+        .options(name="learner", **options)
         .remote(
+            run_id,
             model_path,
             config.model,
             config.ppo,
@@ -272,6 +363,16 @@ def _start_learner(config: Config, model_path: str, checkpoint: str | None) -> A
             checkpoint,
         )
     )
+
+
+def actor_nodes(actors: Actors, timeout_s: float) -> dict[str, str]:
+    """Returns {actor name: id of the node it runs on}."""
+
+    def node_of(_: Any) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    refs = {name: handle.__ray_call__.remote(node_of) for name, handle in actors.all()}
+    return {name: wait_for(ref, name, "node lookup", timeout_s) for name, ref in refs.items()}
 
 
 class IngestActor:

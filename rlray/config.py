@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
+PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 BUILTIN_DATA = "builtin:arithmetic"
 
 
@@ -83,6 +84,12 @@ class RolloutConfig:
     """CPUs reserved per rollout actor."""
     gpus_per_worker: float = 0.0
     """GPUs reserved per rollout actor (0 = vLLM CPU build)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
+    nodes started with `ray start --resources '{"rollout_node": 4}'`."""
+    placement_strategy: str = "SPREAD"
+    """Placement group strategy of the rollout actors' bundles: SPREAD, STRICT_SPREAD
+    (each on its own node), PACK or STRICT_PACK."""
 
 
 @dataclass
@@ -122,6 +129,10 @@ class RewardConfig:
     """Reward-scoring actors; rollout batches go to them in turn."""
     cpus_per_worker: float = 0.5
     """CPUs reserved per reward actor."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per reward actor."""
+    placement_strategy: str = "PACK"
+    """Placement group strategy of the reward actors' bundles."""
 
 
 @dataclass
@@ -185,6 +196,9 @@ class LearnerConfig:
     """CPUs reserved for the learner actor."""
     gpus: float = 0.0
     """GPUs reserved for the learner actor (0 = train on CPU)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
+    its own."""
 
 
 @dataclass
@@ -575,6 +589,20 @@ def validate(config: Config) -> None:
     _check_choice("model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
     _check_choice("ppo.kl_estimator", p.kl_estimator, ("k1", "k3"))
     _check_choice("ppo.kl_mode", p.kl_mode, ("reward", "loss"))
+    for role in ("rollout", "reward"):
+        strategy = getattr(config, role).placement_strategy
+        _check_choice(f"{role}.placement_strategy", strategy, PLACEMENT_STRATEGIES)
+    needs = {
+        "rollout.cpus_per_worker": r.cpus_per_worker
+        + r.gpus_per_worker
+        + sum(r.resources.values()),
+        "reward.cpus_per_worker": config.reward.cpus_per_worker
+        + sum(config.reward.resources.values()),
+        "learner.cpus": learner.cpus + learner.gpus + sum(learner.resources.values()),
+    }
+    for name, total in needs.items():
+        if total <= 0:
+            raise ConfigError(f"{name}: the actor must reserve some resource (CPU, GPU or custom)")
     _check_choice(
         "tracking.wandb_mode", config.tracking.wandb_mode, ("", "online", "offline", "disabled")
     )

@@ -27,6 +27,7 @@ from rlray.models import load_tokenizer, resolve_model_path
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
 from rlray.store import StoreStats
+from rlray.telemetry import Telemetry
 from rlray.tracking import Trackers
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class PPODriver:
         self.published: Any = None
         self.parity_probe: Any = None
         self.store_writes: list[Any] = []
+        self.telemetry = Telemetry(plan.run_id)
 
     # ------------------------------------------------------------------ generation
 
@@ -284,7 +286,7 @@ class PPODriver:
             "worker_policy_versions": tally.per_worker_version,
         }
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self) -> dict[str, Any]:
         """Publishes the learner's weights once and loads them on every rollout worker.
 
         The weights are one immutable object, complete before any worker reads it, so
@@ -294,15 +296,18 @@ class PPODriver:
         self.published = self.actors.learner.publish_weights.remote()
         loads = [worker.load_published.remote(self.published) for worker in self.actors.rollout]
         self.worker_versions = [self.learner_version] * len(self.actors.rollout)
-        load_seconds = [
-            wait_for(ref, name, "weight load", self.timeout)
+        loaded = {
+            name: wait_for(ref, name, "weight load", self.timeout)
             for ref, name in zip(loads, self.actors.rollout_names, strict=True)
-        ]
+        }
         if self.config.buffer.max_staleness > 0:
             self._probe_parity()
+        seconds = time.perf_counter() - started
+        self.telemetry.set("rlray_weight_sync_seconds", seconds)
         return {
-            "weight_sync_seconds": time.perf_counter() - started,
-            "weight_load_seconds": max(load_seconds),
+            "weight_sync_seconds": seconds,
+            "weight_load_seconds": max(s for _, s in loaded.values()),
+            "weight_versions_loaded": {name: version for name, (version, _) in loaded.items()},
         }
 
     def _probe_parity(self) -> None:

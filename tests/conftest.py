@@ -40,6 +40,8 @@ def free_port() -> int:
 class RayCluster:
     address: str
     dashboard_url: str
+    metrics_url: str
+    """The head node's Prometheus export of Ray's (and rlray's) metrics."""
     env: dict[str, str]
 
 
@@ -47,7 +49,7 @@ class RayCluster:
 def ray_cluster(tmp_path_factory) -> RayCluster:
     """Starts `ray start --head` (logical CPUs beyond the 2 real ones so that several
     tests' actors never wait on each other) and stops it at the end of the session."""
-    port, dashboard_port = free_port(), free_port()
+    port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
     bin_dir = str(Path(sys.executable).parent)
     # Jobs submitted to this cluster run `python` from the same virtualenv. Its nodes
     # hold (fake) AWS credentials, as cluster nodes with an instance role do, for the
@@ -81,6 +83,8 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
             "127.0.0.1",
             "--dashboard-port",
             str(dashboard_port),
+            "--metrics-export-port",
+            str(metrics_port),
             "--disable-usage-stats",
         ],
         env=env,
@@ -89,7 +93,12 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
         start_new_session=True,
     )
     address = f"127.0.0.1:{port}"
-    cluster = RayCluster(address, f"http://127.0.0.1:{dashboard_port}", env)
+    cluster = RayCluster(
+        address,
+        f"http://127.0.0.1:{dashboard_port}",
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        env,
+    )
     try:
         _wait_until_up(cluster, process)
         yield cluster

@@ -24,27 +24,17 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from rlray import telemetry
 from rlray.config import parse_command_line, validate
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_FILES = ["cluster.yaml", "cluster-local.yaml"]
 DASHBOARD = REPO / "grafana" / "rlray-dashboard.json"
 
-# The metrics rlray defines with ray.util.metrics: name -> (kind, tags). The one list
-# the dashboard is checked against.
+# The metrics rlray defines (rlray/telemetry.py): name -> (kind, tags). The dashboard
+# is checked against this one list.
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "rlray_rollout_tokens_per_second": ("gauge", ("run_id", "worker")),
-    "rlray_episodes_generated": ("counter", ("run_id", "worker")),
-    "rlray_episodes_scored": ("counter", ("run_id", "worker")),
-    "rlray_buffer_depth": ("gauge", ("run_id",)),
-    "rlray_dropped_stale": ("counter", ("run_id",)),
-    "rlray_staleness": ("histogram", ("run_id",)),
-    "rlray_reward_mean": ("gauge", ("run_id",)),
-    "rlray_eval_accuracy": ("gauge", ("run_id",)),
-    "rlray_learner_step_seconds": ("gauge", ("run_id",)),
-    "rlray_weight_sync_seconds": ("gauge", ("run_id",)),
-    "rlray_policy_version": ("gauge", ("run_id", "worker")),
-    "rlray_logprob_parity_error": ("gauge", ("run_id",)),
+    name: (kind, tags) for name, (kind, _, tags) in telemetry.METRICS.items()
 }
 # Ray prefixes every custom metric with `ray_`; Prometheus adds `_total` to counters and
 # splits a histogram into `_bucket` (with the `le` label), `_sum` and `_count`.
