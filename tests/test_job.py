@@ -138,7 +138,8 @@ def test_user_reward_file_from_a_config_runs_end_to_end(job_env, tmp_path):
     )
     run_dir = tmp_path / "run"
     args = ["--config", str(config), *SHORT_RUN, "--learner.steps", "3", "--run-dir", str(run_dir)]
-    result = run_job(args, job_env)
+    tracking = ["--tracking.wandb", "true", "--tracking.wandb_mode", "offline"]
+    result = run_job([*args, *tracking], {**job_env, "WANDB_SILENT": "true"})
     assert result.returncode == 0, result.stderr[-3000:]
     records = metrics(run_dir)
     names = {"exact_match", f"{rewards}:short_answers", f"{rewards}:flaky"}
@@ -148,6 +149,17 @@ def test_user_reward_file_from_a_config_runs_end_to_end(job_env, tmp_path):
     assert sum(r["reward_failures"][f"{rewards}:flaky"] for r in records) > 0
     assert all(r["reward_failures"]["exact_match"] == 0 for r in records)
     assert "sevens are unlucky" in result.stdout + result.stderr  # logged once, by name
+    # The breakdown reaches TensorBoard and wandb (offline), and the report is drawn.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"reward/components/exact_match", f"reward/failures/{rewards}:flaky"} <= set(tags)
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
+    assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"report: {run_dir / 'report.png'}" in result.stdout
 
 
 BAD_INPUTS = [
