@@ -75,6 +75,7 @@ def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> 
     and the median of its slowest worker's load (vLLM reload + prefix-cache reset)."""
     config = Config()
     config.rollout.num_workers = workers
+    config.model.path = model_path
     config.run_dir = str(run_dir)
     plan = RunPlan(
         config,

@@ -133,6 +133,9 @@ def train(plan: RunPlan, driver: PPODriver, log: MetricsLog) -> dict:
     steps, started = config.learner.steps, time.perf_counter()
     first_step = driver.learner_version + 1
     progress = Progress(total_steps=steps, first_step=first_step)
+    # Rollout workers start from the base model: give them the learner's weights (the
+    # checkpoint's, in a resumed run) before anything is generated.
+    driver.sync_weights()
     if driver.learner_version == 0:
         initial = driver.evaluate()
         log.write({"step": 0, "policy_version": 0, "eval_accuracy": initial.accuracy})

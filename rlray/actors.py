@@ -23,7 +23,7 @@ from aiohttp import web
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
-from rlray.config import Config, IngestConfig, StoreConfig
+from rlray.config import BUILTIN_MODEL, Config, IngestConfig, StoreConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
@@ -325,7 +325,9 @@ def _start_rollout_workers(
     checkpoint: str | None,
     placement: Placement,
 ) -> list[Any]:
-    rollout_model = f"{checkpoint}/policy" if checkpoint else model_path
+    # Rollout workers start from the run's base model; a resumed run's checkpoint weights
+    # reach them with the first weight sync, so the checkpoint need not be on their node.
+    rollout_model = _model_for_actors(config, model_path)
     version = checkpoint_version(checkpoint) if checkpoint else 0
     env = {"env_vars": vllm_env(config.rollout)}
     return [
@@ -354,7 +356,7 @@ def _start_learner(
         .options(name="learner", **options)
         .remote(
             run_id,
-            model_path,
+            _model_for_actors(config, model_path),
             config.model,
             config.ppo,
             config.rollout.temperature,
@@ -363,6 +365,12 @@ def _start_learner(
             checkpoint,
         )
     )
+
+
+def _model_for_actors(config: Config, model_path: str) -> str:
+    """Returns the model actors load: the embedded one by name (each node builds or
+    finds it in its own cache), any other by the path or hub name the driver checked."""
+    return config.model.path if config.model.path == BUILTIN_MODEL else model_path
 
 
 def actor_nodes(actors: Actors, timeout_s: float) -> dict[str, str]:

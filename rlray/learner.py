@@ -22,6 +22,7 @@ from torch import nn
 from rlray import ppo_math as pm
 from rlray.config import ModelConfig, PPOConfig
 from rlray.episode import Episode
+from rlray.models import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LATEST = "latest"
@@ -131,6 +132,7 @@ class Learner:
         self.ppo = ppo
         self.temperature = temperature
         self.device = torch.device(device)
+        model_path = resolve_model_path(model_path)  # the embedded model: built on this node
         self.model_path = model_path
         dtype = _DTYPES[model.dtype]
         policy_path = f"{checkpoint}/policy" if checkpoint else model_path

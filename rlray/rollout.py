@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
+from rlray.models import resolve_model_path
 from rlray.rewards import exact_match
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
@@ -78,6 +79,10 @@ class RolloutWorker:
         for key, value in vllm_env(rollout).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
+
+        # The embedded model is built (or found cached) on this node: its path on the
+        # driver's node may not exist here.
+        model_path = resolve_model_path(model_path)
 
         self.name = name
         self.run_id = run_id
