@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -81,3 +82,52 @@ def test_summary_and_the_episodes_tool(tmp_path):
     assert "5 episodes from 1 run(s): run" in text and "reward failures: exact_match 1" in text
     missing = subprocess.run([*tool[:2], str(tmp_path / "x")], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.startswith("episodes.py: error: ")
+
+
+def test_presigned_url_service_uploads_without_credentials(tmp_path, monkeypatch):
+    """A store configured with only a signing service's URL: files reach the bucket."""
+    import http.server
+    import threading
+    import urllib.parse
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from rlray.config import StoreConfig
+    from rlray.store import open_store
+    from tests.conftest import AWS_TEST_CREDENTIALS, free_port
+
+    for key, value in AWS_TEST_CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    s3_port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port)
+    server.start()
+    s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{s3_port}")
+    s3.create_bucket(Bucket="signed")
+
+    class Signer(http.server.BaseHTTPRequestHandler):  # the user's own signing service
+        def do_GET(self):
+            key = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["key"][0]
+            params = {"Bucket": "signed", "Key": f"uploads/{key}"}
+            url = s3.generate_presigned_url("put_object", Params=params, ExpiresIn=600)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(url.encode())
+
+        def log_message(self, *args):
+            pass
+
+    signer = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Signer)
+    threading.Thread(target=signer.serve_forever, daemon=True).start()
+    try:
+        service = f"http://127.0.0.1:{signer.server_address[1]}/sign"
+        store = open_store(StoreConfig(presigned_url_service=service), tmp_path, "run")
+        store.append(episodes(3))
+        assert store.close(upload_timeout_s=60) == []
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="signed")["Contents"]]
+        assert len(keys) == 1 and keys[0].startswith("uploads/run=run/date=")
+        body = s3.get_object(Bucket="signed", Key=keys[0])["Body"].read()
+        assert pq.read_table(pa.BufferReader(body)).num_rows == 3
+    finally:
+        signer.shutdown()
+        server.stop()

@@ -5,6 +5,7 @@ back, and episodes posted over HTTP while the job trains."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -202,3 +203,25 @@ def test_collect_job_writes_every_episode_without_training(job_env, tmp_path):
     )
     assert no_count.returncode == 2
     assert "--prompts: the built-in task has no end" in no_count.stderr
+
+
+def test_ctrl_c_keeps_every_scored_episode(job_env, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    job = start_job([*SHORT_RUN, "--learner.steps", "200", "--run-dir", str(run_dir)], job_env)
+    try:
+        wait_until(
+            lambda: len(metrics(run_dir)) >= 3 if (run_dir / "metrics.jsonl").exists() else False
+        )
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    assert "interrupted; every episode so far is kept" in err
+    trained = sum(r["episodes"] for r in metrics(run_dir))
+    ids = read(run_dir / "episodes").column("episode_id").to_pylist()
+    assert len(ids) == len(set(ids)) and len(ids) >= trained
+    # Whole prompt batches 0..n-1, each prompt with all its samples: nothing lost.
+    prompts = {int(i.rsplit("-", 2)[1]) for i in ids}
+    assert prompts == set(range(len(prompts))) and len(prompts) % 8 == 0
+    assert len(ids) == 4 * len(prompts)
