@@ -208,7 +208,7 @@ def test_files_wait_in_the_spool_while_s3_is_down_and_upload_in_order_after(
 def test_a_file_on_another_filesystem_is_copied_into_the_spool(server, bucket, tmp_path):
     other = Path("/dev/shm")
     if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs /dev/shm on a filesystem apart from tmp_path")
+        pytest.skip(reason="needs /dev/shm on a filesystem apart from tmp_path")
     ensure_bucket(server.url, bucket)
     local_dir = other / f"rlray-test-{uuid.uuid4().hex}"
     try:
