@@ -59,8 +59,8 @@ def main(argv: list[str]) -> int:
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
-    nodes = actor_nodes(actors, config.ray.call_timeout_s)
-    (plan.run_dir / "placement.json").write_text(json.dumps(nodes, indent=2))
+    placement = actor_nodes(actors, config.ray.call_timeout_s)
+    (plan.run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
     driver = PPODriver(plan, actors, *resume_point(plan))
     trackers = open_trackers(plan)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C
@@ -88,18 +88,23 @@ def main(argv: list[str]) -> int:
 
     # 3. Report.
     summary["episodes_stored"] = stored.episodes_written if stored else None
+    report(plan, summary, trackers)
+    return 0
+
+
+def report(plan: RunPlan, summary: dict, trackers: Trackers) -> None:
+    """Writes summary.json and report.png, closes the trackers, prints the outcome."""
     (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     trackers.summary(summary)
     trackers.close()
-    report = write_report(plan.run_dir)
+    picture = write_report(plan.run_dir)
     print(
         f"done: {summary['steps']} steps, held-out accuracy "
         f"{summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f}, "
         f"{summary['episodes_per_second']:.1f} episodes/s, {summary['wall_seconds']:.0f} s"
     )
-    print(f"report: {report}")
+    print(f"report: {picture}")
     print(f"run directory: {plan.run_dir}")
-    return 0
 
 
 def open_trackers(plan: RunPlan) -> Trackers:
