@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = BUILTIN_MODEL
     """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
-    that reach a hub), or builtin:tiny-arithmetic: a 0.4M-parameter Qwen2 built offline
+    that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
     and warm-started on the arithmetic task on first use, then cached."""
     dtype: str = "float32"
     """Weights dtype for rollouts and the learner: float32, bfloat16 or float16."""

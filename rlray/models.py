@@ -1,6 +1,6 @@
 """Model paths: the embedded tiny arithmetic model, local directories and hub names.
 
-The embedded default is a 0.4M-parameter Qwen2 (hidden 128, 2 layers, 2 heads of
+The embedded default is a 0.53M-parameter Qwen2 (hidden 128, 2 layers, 2 heads of
 head_dim 64, which vLLM's CPU attention supports) with a character tokenizer built by
 `tokenizers`. It is warm-started briefly on the arithmetic task by supervised learning
 so that PPO starts from a model that is right sometimes but far from always. The
