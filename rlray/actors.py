@@ -1,9 +1,10 @@
 """The Ray edge: plain classes become named actors, and every remote wait has a timeout.
 
-Nothing here holds business logic. `RolloutWorker`, `RewardWorker`, `EpisodeBuffer` and
-`Learner` are the plain classes; this module starts them as actors named `rollout-0`,
-`reward-0`, `buffer` and `learner`, adds the few methods that need Ray (the learner
-resolving episode references itself), and turns a dead or stuck actor into an
+Nothing here holds business logic. `RolloutWorker`, `RewardWorker`, `EpisodeBuffer`,
+`Learner`, `EpisodeStore` and the ingestion service are the plain classes; this module
+starts them, in their roles' placement groups, as actors named `rollout-0`, `reward-0`,
+`buffer`, `learner`, `store` and `ingest`, adds the few methods that need Ray (fetching
+episode references, recording Ray metrics), and turns a dead or stuck actor into an
 `ActorFailure` that names it.
 """
 

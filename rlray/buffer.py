@@ -68,10 +68,6 @@ class EpisodeBuffer:
         self.depth_episodes += batch.num_episodes
         self.added_episodes += batch.num_episodes
 
-    def release(self, num_episodes: int) -> None:
-        """Returns reserved room whose batch will never arrive (its generation failed)."""
-        self.reserved_episodes = max(0, self.reserved_episodes - num_episodes)
-
     def is_stale(self, batch: BufferedBatch, learner_version: int) -> bool:
         """Returns whether the batch's policy is more than max_staleness versions behind."""
         return not batch.external and learner_version - batch.policy_version > self.max_staleness

@@ -107,7 +107,6 @@ class RolloutTally:
 
     completion_tokens: int = 0
     generate_seconds: float = 0.0
-    episodes: int = 0
     reward_seconds: float = 0.0
     reward_wait_seconds: float = 0.0
     """Time the driver waited with every batch generated and only scoring pending."""
@@ -140,8 +139,7 @@ class PPODriver:
         self.next_reward = 0
         self.next_batch_id = 0
         self.tally = RolloutTally()
-        self.published: Any = None
-        self.parity_probe: Any = None
+        self.parity_probe: Any = None  # held so a failed probe is not reported as unhandled
         self.store_writes: list[Any] = []
         self.telemetry = Telemetry(plan.run_id)
 
@@ -223,7 +221,6 @@ class PPODriver:
         item.generated = gen
         self.tally.completion_tokens += gen.completion_tokens
         self.tally.generate_seconds += gen.seconds
-        self.tally.episodes += gen.episodes
         self.tally.per_worker_version[gen.worker] = gen.policy_version
 
     def _scored(self, item: InFlight) -> None:
@@ -293,8 +290,8 @@ class PPODriver:
         no worker can load half a version. Returns the wall time of the whole sync and
         the slowest worker's load time."""
         started = time.perf_counter()
-        self.published = self.actors.learner.publish_weights.remote()
-        loads = [worker.load_published.remote(self.published) for worker in self.actors.rollout]
+        published = self.actors.learner.publish_weights.remote()
+        loads = [worker.load_published.remote(published) for worker in self.actors.rollout]
         self.worker_versions = [self.learner_version] * len(self.actors.rollout)
         loaded = {
             name: wait_for(ref, name, "weight load", self.timeout)

@@ -66,10 +66,3 @@ def test_strict_on_policy_is_staleness_zero_on_the_same_path():
     taken = buffer.take(4, learner_version=1)
     assert [b.batch_id for b in taken.batches] == [1]
     assert buffer.stats()["dropped_stale"] == 4
-
-
-def test_release_returns_room_of_a_failed_batch():
-    buffer = EpisodeBuffer(capacity_episodes=4, max_staleness=0)
-    assert buffer.reserve(4)
-    buffer.release(4)
-    assert buffer.reserve(4)
