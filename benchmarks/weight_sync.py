@@ -4,8 +4,9 @@ For each model, in one run: the real sync path (the learner actor publishes its
 weights once into the object store, every rollout actor loads them into vLLM in place
 and resets its prefix cache; PPODriver.sync_weights), timed from the driver, against
 one in-memory copy of the same bytes (clone of every tensor of the state dict) in this
-process. Models: the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same
-architecture (random weights, built here, never downloaded). Goal: sync <= 3x copy.
+process; a copy into memory already allocated is printed alongside, for scale. Models:
+the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same architecture (random
+weights, built here, never downloaded). Goal: sync <= 3x copy.
 
     python benchmarks/weight_sync.py [--repeats 5] [--skip-large]
 """
@@ -55,19 +56,26 @@ def build_large_model(out: Path) -> Path:
     return out
 
 
-def one_copy_seconds(model_path: str, repeats: int) -> tuple[float, int]:
-    """Returns (median seconds of one clone of the state dict, its size in bytes)."""
+def copy_seconds(model_path: str, repeats: int) -> tuple[float, float, int]:
+    """Returns the median seconds of one copy of the state dict (a clone: allocate and
+    copy, the goal's baseline), of a copy into memory already allocated and touched,
+    and the state dict's size in bytes."""
     from transformers import AutoModelForCausalLM
 
     state = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
     size = sum(t.numel() * t.element_size() for t in state.values())
-    times = []
+    clones, into = [], []
+    target = {name: torch.empty_like(tensor).fill_(0) for name, tensor in state.items()}
     for _ in range(repeats):
         started = time.perf_counter()
         copy = {name: tensor.clone() for name, tensor in state.items()}
-        times.append(time.perf_counter() - started)
+        clones.append(time.perf_counter() - started)
         del copy
-    return statistics.median(times), size
+        started = time.perf_counter()
+        for name, tensor in state.items():
+            target[name].copy_(tensor)
+        into.append(time.perf_counter() - started)
+    return statistics.median(clones), statistics.median(into), size
 
 
 def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> tuple[float, float]:
@@ -110,13 +118,13 @@ def main() -> None:
         if not args.skip_large:
             models["large"] = str(build_large_model(Path(scratch) / "large"))
         for name, path in models.items():
-            copy, size = one_copy_seconds(path, args.repeats)
+            copy, copy_into, size = copy_seconds(path, args.repeats)
             for workers in (1, 2):
                 sync, load = sync_seconds(path, workers, args.repeats, Path(scratch) / "run")
                 print(
                     f"{name:<5} {size / 2**20:8.1f} MiB  workers {workers}  sync {sync:8.4f} s  "
                     f"(slowest worker load {load:8.4f} s)  one copy {copy:8.4f} s  "
-                    f"ratio {sync / copy:6.2f}",
+                    f"ratio {sync / copy:6.2f}  (copy into allocated memory {copy_into:8.4f} s)",
                     flush=True,
                 )
     ray.shutdown()

@@ -13,6 +13,7 @@ from rlray.buffer import BufferedBatch
 from rlray.config import Config, RewardSpec, parse_command_line, validate
 from rlray.driver import PPODriver, plan_run
 from rlray.rewards import RewardWorker
+from rlray.rollout import vllm_env
 from tests.jobs_helper import SHORT_RUN
 
 pytestmark = pytest.mark.slow
@@ -60,6 +61,23 @@ def test_weight_sync_changes_generation_and_keeps_parity(system):
     ]
     assert max(gaps) <= 1e-4
     driver.drain()
+
+
+def _start_environment(actor) -> dict[str, str]:
+    """Returns the environment the actor's process started with (what glibc read)."""
+    with open("/proc/self/environ", "rb") as environ:
+        raw = environ.read()
+    pairs = (item.decode().partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+def test_rollout_actors_start_with_the_vllm_and_allocator_settings(system):
+    _, actors = system
+    # glibc reads its malloc settings once, at process start; set later they do nothing.
+    started_with = ray.get(actors.rollout[0].__ray_call__.remote(_start_environment))
+    expected = vllm_env(Config().rollout)
+    assert int(started_with["MALLOC_MMAP_THRESHOLD_"]) >= 2**30
+    assert {key: started_with.get(key) for key in expected} == expected
 
 
 def test_stale_batches_are_dropped_before_the_learner_sees_them(system):
