@@ -74,7 +74,7 @@ def _start_environment(actor) -> dict[str, str]:
 def test_rollout_actors_start_with_the_vllm_and_allocator_settings(system):
     _, actors = system
     # glibc reads its malloc settings once, at process start; set later they do nothing.
-    started_with = ray.get(actors.rollout[0].__ray_call__.remote(_start_environment))
+    started_with = ray.get(actors.rollout[0].__ray_call__.remote(_start_environment), timeout=60)
     expected = vllm_env(Config().rollout)
     assert int(started_with["MALLOC_MMAP_THRESHOLD_"]) >= 2**30
     assert {key: started_with.get(key) for key in expected} == expected
