@@ -1,8 +1,8 @@
 """The one typed config: dataclasses with a docstring per field, YAML + command line.
 
 `python jobs/ppo.py --help` prints every field below with its docstring; a YAML file
-(`--config`) uses the same nesting (`ppo: {clip: 0.2}`) and any field can be set on the
-command line as `--ppo.clip 0.3`. Cross-field rules live in `validate`, which names the
+(`--config`) uses the same nesting (`algorithm: {advantage: grpo}`) and any field can be set on the
+command line as `--algorithm.clip_high 0.28`. Cross-field rules live in `validate`, which names the
 bad field.
 """
 
@@ -21,13 +21,27 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
-PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 BUILTIN_DATA = "builtin:arithmetic"
+
+# Every set of choices is defined once, here; --help lists them and parsing checks them.
+Dtype = Literal["float32", "bfloat16", "float16"]
+PlacementStrategy = Literal["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"]
+OnFailure = Literal["skip_component", "drop_episode"]
+Interpolation = Literal["linear", "step"]
+WandbMode = Literal["", "online", "offline", "disabled"]
+Advantage = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+LossAggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+KLEstimator = Literal["k1", "k2", "k3"]
+KLMode = Literal["reward", "loss"]
+RolloutCorrection = Literal["token", "sequence", "off"]
 
 
 class ConfigError(ValueError):
@@ -40,7 +54,7 @@ class ModelConfig:
     """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
     that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
     and warm-started on the arithmetic task on first use, then cached."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Weights dtype for rollouts and the learner: float32, bfloat16 or float16."""
     max_model_len: int = 64
     """Context window in tokens (prompt + completion) given to vLLM."""
@@ -87,7 +101,7 @@ class RolloutConfig:
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
     nodes started with `ray start --resources '{"rollout_node": 4}'`."""
-    placement_strategy: str = "SPREAD"
+    placement_strategy: PlacementStrategy = "SPREAD"
     """Placement group strategy of the rollout actors' bundles: SPREAD, STRICT_SPREAD
     (each on its own node), PACK or STRICT_PACK."""
 
@@ -105,7 +119,7 @@ class RewardSpec:
     schedule: list[list[float]] = field(default_factory=list)
     """Weight over training steps as [[step, weight], ...] points; empty keeps `weight`
     constant. Before the first point its weight holds, after the last the last's."""
-    interpolation: str = "linear"
+    interpolation: Interpolation = "linear"
     """Between schedule points: linear (ramps) or step (each point's weight holds until
     the next point: piecewise constant)."""
     timeout_s: float = 60.0
@@ -119,7 +133,7 @@ class RewardConfig:
     """Reward components f(prompts, completions, **columns) -> list[float | None]; the
     total is their weighted sum. On the command line, a YAML list:
     '[{name: exact_match, weight: 1.0}]'."""
-    on_failure: str = "skip_component"
+    on_failure: OnFailure = "skip_component"
     """When a component raises, times out or gives NaN/None for an episode:
     skip_component (total from the other components) or drop_episode (not trained on).
     Either way it is counted and the first error of each reward is logged once."""
@@ -131,7 +145,7 @@ class RewardConfig:
     """CPUs reserved per reward actor."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per reward actor."""
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
     """Placement group strategy of the reward actors' bundles."""
 
 
@@ -145,7 +159,66 @@ class BufferConfig:
 
 
 @dataclass
-class PPOConfig:
+class AlgorithmConfig:
+    advantage: Advantage = "gae"
+    """Advantage estimator: gae (PPO with a critic), grpo (group mean and std), dr_grpo
+    (group mean only), rloo (leave-one-out group mean), reinforce_pp (discounted return,
+    whitened over the batch) or reinforce_pp_baseline (group mean subtracted, then
+    whitened over the batch). Only gae builds a critic; the group estimators compare the
+    rollout.samples_per_prompt samples of each prompt."""
+    policy_loss: PolicyLoss = "ppo"
+    """Policy loss: ppo (token ratio clipped to [1 - clip_low, 1 + clip_high]), gspo
+    (sequence-level ratio, the geometric mean of its token ratios, clipped) or cispo
+    (REINFORCE weighted by the token ratio truncated to [1 - clip_low, 1 + clip_high],
+    gradient through the logprob only)."""
+    loss_aggregation: LossAggregation = "token_mean"
+    """How token losses become the loss: token_mean (every token alike), seq_mean_token_mean
+    (each sequence's token mean, averaged), seq_mean_token_sum (each sequence's token sum,
+    averaged) or seq_mean_token_sum_norm (token sum / (sequences x max_new_tokens), as
+    Dr. GRPO)."""
+    clip_low: float | None = None
+    """Lower clip offset of the ratio (1 - clip_low); none: the policy loss's own (ppo 0.2,
+    gspo 3e-4, cispo 1.0 = no lower bound)."""
+    clip_high: float | None = None
+    """Upper clip offset of the ratio (1 + clip_high); none: the policy loss's own (ppo 0.2,
+    gspo 4e-4, cispo 4.0). DAPO's clip-higher is ppo with clip_high 0.28."""
+    gamma: float = 1.0
+    """Discount factor of gae and reinforce_pp."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """gae only: normalise advantages to mean 0, std 1 over each step's tokens."""
+    vf_coef: float = 0.5
+    """Weight of the value loss (gae)."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the values before the update (gae)."""
+    kl_coef: float = 0.05
+    """Weight of the KL penalty against the frozen reference model; 0 holds no reference
+    model."""
+    kl_estimator: KLEstimator = "k1"
+    """KL estimator: k1 (log ratio), k2 (half its square) or k3 (ratio - 1 - log ratio,
+    always >= 0); http://joschu.net/blog/kl-approx.html."""
+    kl_mode: KLMode = "reward"
+    """Where the KL penalty goes: reward (per-token reward penalty) or loss (a loss term;
+    needs k2 or k3: k1's gradient is zero in expectation)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (0 builds no entropy graph)."""
+    drop_uniform_groups: bool = False
+    """DAPO dynamic sampling: leave out groups whose samples all got the same reward (they
+    teach a group estimator nothing) and generate more prompts to fill the step."""
+    mask_truncated: bool = False
+    """Leave completions cut off at rollout.max_new_tokens out of the loss."""
+    rollout_correction: RolloutCorrection = "token"
+    """Truncated importance sampling from vLLM's sampling policy to the learner's: token
+    (a weight per token), sequence (one weight per completion) or off."""
+    rollout_correction_clip: float = 2.0
+    """Largest rollout-correction weight (truncation of pi_learner / pi_vllm)."""
+
+
+@dataclass
+class LearnerConfig:
+    steps: int = 150
+    """Learner steps (policy updates of one batch of episodes) in the run."""
     episodes_per_step: int = 256
     """Episodes in one learner step (a multiple of the rollout batch)."""
     epochs: int = 2
@@ -157,35 +230,12 @@ class PPOConfig:
     lr: float = 5e-5
     """AdamW learning rate of the policy."""
     critic_lr: float = 1e-4
-    """AdamW learning rate of the critic (value model)."""
-    gamma: float = 1.0
-    """Discount factor of GAE."""
-    lam: float = 0.95
-    """GAE lambda."""
-    clip: float = 0.2
-    """PPO ratio clip epsilon."""
-    value_clip: float = 0.2
-    """Clip range of the value loss around the rollout-time values."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    kl_coef: float = 0.05
-    """Weight of the KL penalty against the frozen reference model."""
-    kl_estimator: str = "k1"
-    """KL estimator: k1 (log ratio) or k3 (always >= 0)."""
-    kl_mode: str = "reward"
-    """Where the KL penalty goes: reward (per-token reward penalty) or loss (loss term)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
+    """AdamW learning rate of the critic (value model; algorithm.advantage gae)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    whiten_advantages: bool = True
-    """Normalise advantages to mean 0, std 1 over each step's tokens."""
-
-
-@dataclass
-class LearnerConfig:
-    steps: int = 150
-    """Learner steps (PPO updates) in the run."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory,
+    about a third more compute)."""
     sync_every: int = 1
     """Publish weights to the rollout workers every this many learner steps."""
     eval_every: int = 10
@@ -245,7 +295,7 @@ class TrackingConfig:
     Biases (TensorBoard event files are always written under <run_dir>/tensorboard)."""
     wandb_project: str = "rlray"
     """wandb project name."""
-    wandb_mode: str = ""
+    wandb_mode: WandbMode = ""
     """wandb mode: online, offline or disabled; empty leaves it to WANDB_MODE."""
 
 
@@ -274,7 +324,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -325,8 +375,14 @@ def leaf_fields(cls: type = Config, prefix: str = "") -> dict[str, tuple[type, A
     return out
 
 
+def _choices(choices: tuple[str, ...]) -> str:
+    return ", ".join(repr(c) if c == "" else c for c in choices)
+
+
 def _type_name(kind: Any) -> str:
     origin = typing.get_origin(kind)
+    if origin is Literal:
+        return "{" + ",".join(typing.get_args(kind)) + "}"
     if origin is list:
         return "list"
     if origin is dict:
@@ -337,6 +393,11 @@ def _type_name(kind: Any) -> str:
 def coerce(value: Any, kind: Any, name: str) -> Any:
     """Returns `value` converted to `kind`, or raises ConfigError naming the field `name`."""
     origin = typing.get_origin(kind)
+    if origin is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {_choices(choices)}; got {value!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(kind)
         if (value is None or value == "none") and type(None) in options:
@@ -532,7 +593,7 @@ def validate(config: Config) -> None:
     File checks (model path, data files, prompt lengths) need the tokenizer and live in
     rlray.data.check_prompts_fit and rlray.models.resolve_model_path.
     """
-    r, p, b, learner = config.rollout, config.ppo, config.buffer, config.learner
+    r, a, b, learner = config.rollout, config.algorithm, config.buffer, config.learner
     positive = {
         "model.max_model_len": config.model.max_model_len,
         "data.eval_size": config.data.eval_size,
@@ -545,19 +606,19 @@ def validate(config: Config) -> None:
         "reward.num_workers": config.reward.num_workers,
         "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
-        "ppo.episodes_per_step": p.episodes_per_step,
-        "ppo.epochs": p.epochs,
-        "ppo.minibatch_size": p.minibatch_size,
-        "ppo.micro_batch_size": p.micro_batch_size,
-        "ppo.lr": p.lr,
-        "ppo.critic_lr": p.critic_lr,
-        "ppo.clip": p.clip,
-        "ppo.value_clip": p.value_clip,
-        "ppo.max_grad_norm": p.max_grad_norm,
+        "learner.episodes_per_step": learner.episodes_per_step,
+        "learner.epochs": learner.epochs,
+        "learner.minibatch_size": learner.minibatch_size,
+        "learner.micro_batch_size": learner.micro_batch_size,
+        "learner.lr": learner.lr,
+        "learner.critic_lr": learner.critic_lr,
+        "learner.max_grad_norm": learner.max_grad_norm,
         "learner.steps": learner.steps,
         "learner.sync_every": learner.sync_every,
         "learner.eval_every": learner.eval_every,
         "learner.checkpoint_every": learner.checkpoint_every,
+        "algorithm.value_clip": a.value_clip,
+        "algorithm.rollout_correction_clip": a.rollout_correction_clip,
         "ingest.port": config.ingest.port,
         "ingest.max_body_bytes": config.ingest.max_body_bytes,
         "store.rows_per_file": config.store.rows_per_file,
@@ -575,9 +636,9 @@ def validate(config: Config) -> None:
         "rollout.gpus_per_worker": r.gpus_per_worker,
         "reward.cpus_per_worker": config.reward.cpus_per_worker,
         "buffer.max_staleness": b.max_staleness,
-        "ppo.vf_coef": p.vf_coef,
-        "ppo.kl_coef": p.kl_coef,
-        "ppo.entropy_coef": p.entropy_coef,
+        "algorithm.vf_coef": a.vf_coef,
+        "algorithm.kl_coef": a.kl_coef,
+        "algorithm.entropy_coef": a.entropy_coef,
         "learner.cpus": learner.cpus,
         "learner.gpus": learner.gpus,
         "ray.num_cpus": config.ray.num_cpus,
@@ -586,12 +647,6 @@ def validate(config: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
-    _check_choice("model.dtype", config.model.dtype, ("float32", "bfloat16", "float16"))
-    _check_choice("ppo.kl_estimator", p.kl_estimator, ("k1", "k3"))
-    _check_choice("ppo.kl_mode", p.kl_mode, ("reward", "loss"))
-    for role in ("rollout", "reward"):
-        strategy = getattr(config, role).placement_strategy
-        _check_choice(f"{role}.placement_strategy", strategy, PLACEMENT_STRATEGIES)
     needs = {
         "rollout.cpus_per_worker": r.cpus_per_worker
         + r.gpus_per_worker
@@ -603,35 +658,13 @@ def validate(config: Config) -> None:
     for name, total in needs.items():
         if total <= 0:
             raise ConfigError(f"{name}: the actor must reserve some resource (CPU, GPU or custom)")
-    _check_choice(
-        "tracking.wandb_mode", config.tracking.wandb_mode, ("", "online", "offline", "disabled")
-    )
-    for name, value in (("ppo.gamma", p.gamma), ("ppo.lam", p.lam)):
+    for name, value in (("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{name} must be in [0, 1], got {value}")
+    _check_algorithm(config)
     if r.temperature == 0:
-        raise ConfigError("rollout.temperature must be > 0 (PPO needs sampled episodes)")
-    if p.episodes_per_step % config.rollout_batch_episodes:
-        raise ConfigError(
-            f"ppo.episodes_per_step ({p.episodes_per_step}) must be a multiple of the rollout "
-            f"batch (rollout.prompts_per_batch x rollout.samples_per_prompt = "
-            f"{config.rollout_batch_episodes})"
-        )
-    if p.episodes_per_step % p.minibatch_size:
-        raise ConfigError(
-            f"ppo.minibatch_size ({p.minibatch_size}) must divide ppo.episodes_per_step "
-            f"({p.episodes_per_step})"
-        )
-    if p.minibatch_size % p.micro_batch_size:
-        raise ConfigError(
-            f"ppo.micro_batch_size ({p.micro_batch_size}) must divide ppo.minibatch_size "
-            f"({p.minibatch_size})"
-        )
-    if b.capacity_episodes < p.episodes_per_step:
-        raise ConfigError(
-            f"buffer.capacity_episodes ({b.capacity_episodes}) must hold one learner step "
-            f"(ppo.episodes_per_step = {p.episodes_per_step})"
-        )
+        raise ConfigError("rollout.temperature must be > 0 (RL needs sampled episodes)")
+    _check_batch_sizes(config)
     if b.max_staleness < learner.sync_every - 1:
         raise ConfigError(
             f"buffer.max_staleness ({b.max_staleness}) must be >= learner.sync_every - 1 "
@@ -640,9 +673,54 @@ def validate(config: Config) -> None:
     _check_ingest(config.ingest)
     if not config.reward.functions:
         raise ConfigError("reward.functions must name at least one reward")
-    _check_choice("reward.on_failure", config.reward.on_failure, ("skip_component", "drop_episode"))
     for i, spec in enumerate(config.reward.functions):
         _check_reward_spec(f"reward.functions[{i}]", spec)
+
+
+def _check_algorithm(config: Config) -> None:
+    a = config.algorithm
+    if a.kl_mode == "loss" and a.kl_estimator == "k1" and a.kl_coef > 0:
+        raise ConfigError(
+            "algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation; "
+            "use k2 or k3 (or kl_mode reward)"
+        )
+    for name in ("clip_low", "clip_high"):
+        value = getattr(a, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"algorithm.{name} must be > 0, got {value}")
+    if a.clip_low is not None and a.clip_low > 1 and a.policy_loss != "cispo":
+        raise ConfigError(f"algorithm.clip_low must be <= 1 (a ratio is > 0), got {a.clip_low}")
+    group = a.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+    if group and config.rollout.samples_per_prompt < 2:
+        raise ConfigError(
+            f"rollout.samples_per_prompt must be >= 2 for algorithm.advantage {a.advantage} "
+            "(it compares the samples of each prompt)"
+        )
+
+
+def _check_batch_sizes(config: Config) -> None:
+    learner = config.learner
+    if learner.episodes_per_step % config.rollout_batch_episodes:
+        raise ConfigError(
+            f"learner.episodes_per_step ({learner.episodes_per_step}) must be a multiple of the "
+            f"rollout batch (rollout.prompts_per_batch x rollout.samples_per_prompt = "
+            f"{config.rollout_batch_episodes})"
+        )
+    if learner.episodes_per_step % learner.minibatch_size:
+        raise ConfigError(
+            f"learner.minibatch_size ({learner.minibatch_size}) must divide "
+            f"learner.episodes_per_step ({learner.episodes_per_step})"
+        )
+    if learner.minibatch_size % learner.micro_batch_size:
+        raise ConfigError(
+            f"learner.micro_batch_size ({learner.micro_batch_size}) must divide "
+            f"learner.minibatch_size ({learner.minibatch_size})"
+        )
+    if config.buffer.capacity_episodes < learner.episodes_per_step:
+        raise ConfigError(
+            f"buffer.capacity_episodes ({config.buffer.capacity_episodes}) must hold one "
+            f"learner step (learner.episodes_per_step = {learner.episodes_per_step})"
+        )
 
 
 def _check_ingest(ingest: IngestConfig) -> None:
@@ -656,7 +734,6 @@ def _check_ingest(ingest: IngestConfig) -> None:
 
 
 def _check_reward_spec(name: str, spec: RewardSpec) -> None:
-    _check_choice(f"{name}.interpolation", spec.interpolation, ("linear", "step"))
     if not spec.timeout_s > 0:
         raise ConfigError(f"{name}.timeout_s must be > 0, got {spec.timeout_s}")
     if any(len(point) != 2 for point in spec.schedule):
@@ -666,8 +743,3 @@ def _check_reward_spec(name: str, spec: RewardSpec) -> None:
     steps = [point[0] for point in spec.schedule]
     if steps != sorted(steps) or len(set(steps)) != len(steps) or any(s < 0 for s in steps):
         raise ConfigError(f"{name}.schedule: steps must be >= 0 and increasing, got {steps}")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

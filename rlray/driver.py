@@ -150,7 +150,7 @@ class PPODriver:
 
     def _may_generate(self, worker: int) -> bool:
         """Whether a batch started now on `worker` would still be fresh when trained."""
-        per_step = self.config.ppo.episodes_per_step
+        per_step = self.config.learner.episodes_per_step
         ahead = self.buffered_episodes + sum(item.num_episodes for item in self.in_flight)
         trained_at_version = self.learner_version + ahead // per_step
         return trained_at_version - self.worker_versions[worker] <= self.config.buffer.max_staleness
@@ -248,7 +248,7 @@ class PPODriver:
     def train_step(self) -> dict[str, Any]:
         """Fills the buffer to one learner step, trains on it, and returns the step's
         metrics (learner, buffer and rollout figures together)."""
-        per_step = self.config.ppo.episodes_per_step
+        per_step = self.config.learner.episodes_per_step
         while True:
             self.fill()
             taken = self._call(

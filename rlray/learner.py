@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rlray import ppo_math as pm
-from rlray.config import ModelConfig, PPOConfig
+from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.episode import Episode
 from rlray.models import resolve_model_path
 
@@ -117,7 +117,8 @@ class Learner:
         self,
         model_path: str,
         model: ModelConfig,
-        ppo: PPOConfig,
+        algorithm: AlgorithmConfig,
+        learner: LearnerConfig,
         temperature: float,
         seed: int,
         device: str = "cpu",
@@ -129,6 +130,10 @@ class Learner:
         hf_logging.disable_progress_bar()  # checkpoint saves would print a bar each
 
         torch.manual_seed(seed)
+        from types import SimpleNamespace  # temporary: the engine/algorithm split replaces it
+
+        ppo = SimpleNamespace(**asdict(algorithm), **asdict(learner))
+        ppo.clip = algorithm.clip_low or 0.2
         self.ppo = ppo
         self.temperature = temperature
         self.device = torch.device(device)

@@ -11,13 +11,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 # A few fast steps: 32 episodes a step in two micro-batches, a small held-out set.
 SHORT_RUN = [
-    "--ppo.episodes_per_step",
+    "--learner.episodes_per_step",
     "32",
     "--rollout.prompts_per_batch",
     "8",
-    "--ppo.minibatch_size",
+    "--learner.minibatch_size",
     "16",
-    "--ppo.micro_batch_size",
+    "--learner.micro_batch_size",
     "8",
     "--data.eval_size",
     "40",

@@ -18,10 +18,10 @@ def test_defaults_validate():
 
 def test_command_line_overrides_yaml_file(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("ppo:\n  clip: 0.3\n  lr: 0.001\nseed: 7\n")
-    command = parse_command_line(["--config", str(path), "--ppo.lr", "5e-5", "--run-dir", "out"])
-    assert command.config.ppo.clip == 0.3
-    assert command.config.ppo.lr == 5e-5
+    path.write_text("algorithm:\n  clip_high: 0.3\nlearner:\n  lr: 0.001\nseed: 7\n")
+    command = parse_command_line(["--config", str(path), "--learner.lr", "5e-5", "--run-dir", "out"])
+    assert command.config.algorithm.clip_high == 0.3
+    assert command.config.learner.lr == 5e-5
     assert command.config.seed == 7
     assert command.config.run_dir == "out"
     assert command.resume_dir is None
@@ -49,8 +49,15 @@ def test_help_lists_every_field_with_its_doc():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--ppo.clipp", "0.1"], "unknown config field '--ppo.clipp' (did you mean '--ppo.clip'?)"),
-        (["--ppo.lr", "fast"], "ppo.lr: expected float, got 'fast'"),
+        (
+            ["--algorithm.clip_hihg", "0.1"],
+            "unknown config field '--algorithm.clip_hihg' (did you mean '--algorithm.clip_high'?)",
+        ),
+        (["--learner.lr", "fast"], "learner.lr: expected float, got 'fast'"),
+        (
+            ["--algorithm.kl_estimator", "k4"],
+            "algorithm.kl_estimator must be one of k1, k2, k3; got 'k4'",
+        ),
         (["--learner.steps", "1.5"], "learner.steps: expected int, got '1.5'"),
     ],
 )
@@ -79,11 +86,18 @@ def test_missing_config_file_is_named(tmp_path):
     ("argv", "message"),
     [
         (["--rollout.prompts_per_batch", "-4"], "rollout.prompts_per_batch must be > 0, got -4"),
-        (["--ppo.gamma", "1.5"], r"ppo.gamma must be in \[0, 1\], got 1.5"),
-        (["--ppo.kl_estimator", "k2"], "ppo.kl_estimator must be one of k1, k3; got 'k2'"),
+        (["--algorithm.gamma", "1.5"], r"algorithm.gamma must be in \[0, 1\], got 1.5"),
         (
-            ["--ppo.minibatch_size", "24"],
-            r"ppo.minibatch_size \(24\) must divide ppo.episodes_per_step",
+            ["--algorithm.kl_mode", "loss"],
+            r"algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation",
+        ),
+        (
+            ["--algorithm.advantage", "grpo", "--rollout.samples_per_prompt", "1"],
+            r"rollout.samples_per_prompt must be >= 2 for algorithm.advantage grpo",
+        ),
+        (
+            ["--learner.minibatch_size", "24"],
+            r"learner.minibatch_size \(24\) must divide learner.episodes_per_step",
         ),
         (
             ["--buffer.capacity_episodes", "32"],

@@ -164,8 +164,11 @@ def test_user_reward_file_from_a_config_runs_end_to_end(job_env, tmp_path):
 
 BAD_INPUTS = [
     (["--model", "/no/such/model"], "model.path: no such model directory: /no/such/model"),
-    (["--ppo.clipp", "0.1"], "unknown config field '--ppo.clipp' (did you mean '--ppo.clip'?)"),
-    (["--ppo.lr", "fast"], "ppo.lr: expected float, got 'fast'"),
+    (
+        ["--algorithm.clip_hihg", "0.1"],
+        "unknown config field '--algorithm.clip_hihg' (did you mean '--algorithm.clip_high'?)",
+    ),
+    (["--learner.lr", "fast"], "learner.lr: expected float, got 'fast'"),
     (["--rollout.prompts_per_batch", "-8"], "rollout.prompts_per_batch must be > 0, got -8"),
     (
         ["--reward.functions", "[{name: 'no_such_pkg.rewards:fn'}]"],
@@ -196,7 +199,7 @@ def test_bad_input_is_one_line_exit_2_before_any_actor(args, message, tmp_path):
 def test_help_lists_fields():
     result = run_job(["--help"], timeout=120)
     assert result.returncode == 0
-    assert "--ppo.kl_estimator" in result.stdout and "KL estimator: k1" in result.stdout
+    assert "--algorithm.kl_estimator" in result.stdout and "KL estimator: k1" in result.stdout
 
 
 @pytest.mark.slow

@@ -20,10 +20,17 @@ def model_path() -> str:
 def make_learner(model_path: str, checkpoint: str | None = None) -> Learner:
     config = Config()
     # Adam moves every weight by about lr on its first steps; a tiny model needs a small lr.
-    config.ppo.lr = 1e-5
-    config.ppo.episodes_per_step = config.ppo.minibatch_size = config.ppo.micro_batch_size = 4
+    config.learner.lr = 1e-5
+    config.learner.episodes_per_step = 4
+    config.learner.minibatch_size = config.learner.micro_batch_size = 4
     return Learner(
-        model_path, config.model, config.ppo, temperature=1.0, seed=0, checkpoint=checkpoint
+        model_path,
+        config.model,
+        config.algorithm,
+        config.learner,
+        temperature=1.0,
+        seed=0,
+        checkpoint=checkpoint,
     )
 
 
