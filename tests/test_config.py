@@ -19,7 +19,9 @@ def test_defaults_validate():
 def test_command_line_overrides_yaml_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("algorithm:\n  clip_high: 0.3\nlearner:\n  lr: 0.001\nseed: 7\n")
-    command = parse_command_line(["--config", str(path), "--learner.lr", "5e-5", "--run-dir", "out"])
+    command = parse_command_line(
+        ["--config", str(path), "--learner.lr", "5e-5", "--run-dir", "out"]
+    )
     assert command.config.algorithm.clip_high == 0.3
     assert command.config.learner.lr == 5e-5
     assert command.config.seed == 7
