@@ -2,8 +2,9 @@
 
 `python jobs/ppo.py --help` prints every field below with its docstring; a YAML file
 (`--config`) uses the same nesting (`algorithm: {advantage: grpo}`) and any field can be set on the
-command line as `--algorithm.clip_high 0.28`. Cross-field rules live in `validate`, which names the
-bad field.
+command line as `--algorithm.clip_high 0.28`. jsonargparse does the parsing and type checks;
+`parse_command_line` adds --resume and turns its errors into one line. Ranges and cross-field
+rules live in `validate`, which names the bad field.
 """
 
 from __future__ import annotations
@@ -13,23 +14,26 @@ import ast
 import dataclasses
 import difflib
 import functools
-import inspect
-import itertools
+import math
 import os
+import re
 import textwrap
 import types
 import typing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import jsonargparse
 import yaml
+from jsonargparse import Namespace
 
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_DATA = "builtin:arithmetic"
 
 # Every set of choices is defined once, here; --help lists them and parsing checks them.
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["float32", "bfloat16"]
 PlacementStrategy = Literal["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"]
 OnFailure = Literal["skip_component", "drop_episode"]
 Interpolation = Literal["linear", "step"]
@@ -50,18 +54,25 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """The policy model: where its weights come from, their dtype, its context window."""
+
     path: str = BUILTIN_MODEL
     """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
     that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
     and warm-started on the arithmetic task on first use, then cached."""
     dtype: Dtype = "float32"
-    """Weights dtype for rollouts and the learner: float32, bfloat16 or float16."""
+    """Compute dtype of rollouts and learner: float32, or bfloat16 (vLLM runs in bfloat16;
+    the learner keeps float32 master weights and optimizer state and computes under
+    bfloat16 autocast). float16 is not offered: training in it needs loss scaling, and
+    bfloat16 has float32's range at the same cost."""
     max_model_len: int = 64
     """Context window in tokens (prompt + completion) given to vLLM."""
 
 
 @dataclass
 class DataConfig:
+    """Prompts: the training set and the held-out evaluation set."""
+
     train: str = BUILTIN_DATA
     """Training prompts: builtin:arithmetic, or a JSONL file with a "prompt" field per
     line; other fields (e.g. "answer") reach the reward functions as columns."""
@@ -78,6 +89,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
+    """Rollout actors: vLLM engines that sample completions."""
+
     num_workers: int = 1
     """Rollout actors, each with its own vLLM engine."""
     prompts_per_batch: int = 64
@@ -108,6 +121,8 @@ class RolloutConfig:
 
 @dataclass
 class RewardSpec:
+    """One reward component (an item of reward.functions)."""
+
     name: str = "exact_match"
     """A built-in reward name (README lists them), or an import path to your own:
     "mypkg.rewards:fn" or "path/to/file.py:fn"."""
@@ -129,10 +144,13 @@ class RewardSpec:
 
 @dataclass
 class RewardConfig:
+    """Reward actors and the reward components they score with."""
+
     functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
     """Reward components f(prompts, completions, **columns) -> list[float | None]; the
     total is their weighted sum. On the command line, a YAML list:
-    '[{name: exact_match, weight: 1.0}]'."""
+    '[{name: exact_match, weight: 1.0}]'; `--reward.functions.help RewardSpec` lists the
+    fields of an item."""
     on_failure: OnFailure = "skip_component"
     """When a component raises, times out or gives NaN/None for an episode:
     skip_component (total from the other components) or drop_episode (not trained on).
@@ -151,6 +169,8 @@ class RewardConfig:
 
 @dataclass
 class BufferConfig:
+    """The episode buffer between rollouts and the learner."""
+
     capacity_episodes: int = 1024
     """Most episodes the buffer holds; producers wait while it is full."""
     max_staleness: int = 0
@@ -160,6 +180,8 @@ class BufferConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The RL algorithm: advantage estimator, policy loss, KL and corrections."""
+
     advantage: Advantage = "gae"
     """Advantage estimator: gae (PPO with a critic), grpo (group mean and std), dr_grpo
     (group mean only), rloo (leave-one-out group mean), reinforce_pp (discounted return,
@@ -177,10 +199,10 @@ class AlgorithmConfig:
     averaged) or seq_mean_token_sum_norm (token sum / (sequences x max_new_tokens), as
     Dr. GRPO)."""
     clip_low: float | None = None
-    """Lower clip offset of the ratio (1 - clip_low); none: the policy loss's own (ppo 0.2,
+    """Lower clip offset of the ratio (1 - clip_low); null: the policy loss's own (ppo 0.2,
     gspo 3e-4, cispo 1.0 = no lower bound)."""
     clip_high: float | None = None
-    """Upper clip offset of the ratio (1 + clip_high); none: the policy loss's own (ppo 0.2,
+    """Upper clip offset of the ratio (1 + clip_high); null: the policy loss's own (ppo 0.2,
     gspo 4e-4, cispo 4.0). DAPO's clip-higher is ppo with clip_high 0.28."""
     gamma: float = 1.0
     """Discount factor of gae and reinforce_pp."""
@@ -217,6 +239,8 @@ class AlgorithmConfig:
 
 @dataclass
 class LearnerConfig:
+    """The learner actor: optimizer, batching, schedule of syncs, evals, checkpoints."""
+
     steps: int = 150
     """Learner steps (policy updates of one batch of episodes) in the run."""
     episodes_per_step: int = 256
@@ -253,6 +277,8 @@ class LearnerConfig:
 
 @dataclass
 class StoreConfig:
+    """The episode store: every scored episode as Parquet, local or on S3."""
+
     path: str = ""
     """Where every episode goes: empty for <run_dir>/episodes, a local directory, or
     s3://bucket/prefix (credentials from the standard AWS chain)."""
@@ -272,6 +298,8 @@ class StoreConfig:
 
 @dataclass
 class IngestConfig:
+    """The HTTP endpoint that takes episodes made outside the job."""
+
     enabled: bool = False
     """Serve POST /v1/episodes (and GET /v1/health) while the job runs."""
     host: str = "127.0.0.1"
@@ -290,6 +318,8 @@ class IngestConfig:
 
 @dataclass
 class TrackingConfig:
+    """Experiment tracking besides TensorBoard."""
+
     wandb: bool = False
     """Also log config, per-step metrics, reward breakdown and summary to Weights &
     Biases (TensorBoard event files are always written under <run_dir>/tensorboard)."""
@@ -301,6 +331,8 @@ class TrackingConfig:
 
 @dataclass
 class RayConfig:
+    """The Ray cluster and the timeouts of remote calls."""
+
     address: str = ""
     """Ray cluster to join. Empty: the cluster in RAY_ADDRESS (set by `ray job submit`)
     if any, else a new local single-node Ray."""
@@ -315,6 +347,8 @@ class RayConfig:
 
 @dataclass
 class Config:
+    """The one typed config of a run: run settings, then a section per part of the system."""
+
     run_dir: str = ""
     """Output directory; empty: runs/ppo-<date>-<time> under the working directory."""
     seed: int = 0
@@ -337,141 +371,108 @@ class Config:
         return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
 
 
-# ---------------------------------------------------------------- field docs and types
+# ---------------------------------------------------------------- command line
+
+# jsonargparse builds the parser from the dataclasses above: their type hints, defaults and
+# the string literal under each field (read by docstring-parser) as its --help text.
+jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+USAGE = (
+    "%(prog)s [--config FILE.yaml | --resume RUN_DIR] [--model PATH] [--SECTION.FIELD VALUE ...]"
+)
+DESCRIPTION = """\
+PPO fine-tuning of a causal LM on Ray with vLLM rollouts.
+
+Every field below can be set on the command line (--learner.lr 2e-5, or with dashes:
+--learner.micro-batch-size 32) or in a YAML file of the same nesting (learner: {lr: 2e-5}).
+Lists and mappings are YAML text: --reward.functions '[{name: exact_match, weight: 2.0}]'.
+Precedence: defaults < --config file (or the resumed run's config.yaml) < command line."""
 
 
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Returns {field name: docstring} from the string literal under each field."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(inspect.cleandoc(following.value.value).split())
-    return docs
+@dataclass
+class CommandLine:
+    """What the command line asked for: the config and, if any, a run to resume."""
+
+    config: Config
+    resume_dir: Path | None
 
 
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def build_parser(prog: str | None = None) -> jsonargparse.ArgumentParser:
+    """Returns the parser whose --help lists every config field with its doc, its default
+    and, for Literal fields, the choices."""
+    parser = jsonargparse.ArgumentParser(
+        prog=prog,
+        usage=USAGE,
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
+        exit_on_error=False,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="Load config from a YAML file; command-line fields override it.",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="Continue a stopped run from its last checkpoint, with its own config.yaml; "
+        "command-line fields override it (e.g. --learner.steps 200 to run longer).",
+    )
+    parser.add_class_arguments(Config, as_group=False)
+    # `--model PATH` is short for --model.path (parse_command_line rewrites it); the flag
+    # jsonargparse made for it would load the model section from a file, which --config does.
+    (shortcut,) = [action for action in parser._actions if action.option_strings == ["--model"]]
+    shortcut.metavar, shortcut.help = "PATH", "Same as --model.path."
+    return parser
 
 
-def leaf_fields(cls: type = Config, prefix: str = "") -> dict[str, tuple[type, Any, str]]:
-    """Returns {dotted name: (type, default, doc)} of every settable field."""
-    out: dict[str, tuple[type, Any, str]] = {}
-    docs, hints, defaults = field_docs(cls), _field_types(cls), cls()
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if dataclasses.is_dataclass(kind):
-            out.update(leaf_fields(kind, f"{prefix}{f.name}."))  # type: ignore[arg-type]
-        else:
-            out[prefix + f.name] = (kind, getattr(defaults, f.name), docs.get(f.name, ""))
-    return out
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, jsonargparse.DefaultHelpFormatter):
+    """Prints the description as written; wraps field docs without breaking at hyphens
+    (so `builtin:tiny-arithmetic` stays whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
-def _choices(choices: tuple[str, ...]) -> str:
-    return ", ".join(repr(c) if c == "" else c for c in choices)
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Returns the config from defaults < --config file (or the resumed run's
+    config.yaml) < command-line overrides. Raises ConfigError on any bad input."""
+    parser = build_parser()
+    argv = [_canonical(arg) for arg in argv]
+    given = _checked(parser.parse_args, argv)
+    resume_dir = Path(given.resume) if given.resume else None
+    tree = None
+    if resume_dir is not None:
+        if given.config:
+            raise ConfigError("--resume takes the run's own config.yaml; drop --config")
+        if not (resume_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume: no config.yaml in {resume_dir}")
+        tree = {**load_yaml_file(resume_dir / "config.yaml"), "run_dir": str(resume_dir)}
+    elif given.config:
+        tree = load_yaml_file(given.config)
+    if tree is not None:  # the file's values, then the command line's on top
+        given = _checked(parser.parse_args, argv, namespace=_checked(parser.parse_object, tree))
+    for f in dataclasses.fields(Config):
+        section = dataclasses.is_dataclass(_field_types(Config)[f.name])
+        if section and not isinstance(given[f.name], Namespace):
+            raise ConfigError(f"{f.name}: expected a section of fields, got {given[f.name]!r}")
+    built = _checked(parser.instantiate, given)
+    config = Config(**{f.name: built[f.name] for f in dataclasses.fields(Config)})
+    if resume_dir is not None and Path(config.run_dir) != resume_dir:
+        raise ConfigError("--resume and --run-dir name different directories")
+    return CommandLine(config=config, resume_dir=resume_dir)
 
 
-def _type_name(kind: Any) -> str:
-    origin = typing.get_origin(kind)
-    if origin is Literal:
-        return "{" + ",".join(typing.get_args(kind)) + "}"
-    if origin is list:
-        return "list"
-    if origin is dict:
-        return "mapping"
-    return getattr(kind, "__name__", str(kind))
-
-
-def coerce(value: Any, kind: Any, name: str) -> Any:
-    """Returns `value` converted to `kind`, or raises ConfigError naming the field `name`."""
-    origin = typing.get_origin(kind)
-    if origin is Literal:
-        choices = typing.get_args(kind)
-        if value not in choices:
-            raise ConfigError(f"{name} must be one of {_choices(choices)}; got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(kind)
-        if (value is None or value == "none") and type(None) in options:
-            return None
-        return coerce(value, next(t for t in options if t is not type(None)), name)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif kind is str:
-        if isinstance(value, str):
-            return value
-    elif origin is list:
-        if isinstance(value, str):
-            value = _parse_yaml_text(value, name)
-        if isinstance(value, list):
-            (item_kind,) = typing.get_args(kind)
-            return [coerce(v, item_kind, f"{name}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        if isinstance(value, str):
-            value = _parse_yaml_text(value, name)
-        if isinstance(value, dict):
-            return dict(value)
-    elif dataclasses.is_dataclass(kind) and isinstance(value, dict):
-        return build_dataclass(kind, value, name)  # type: ignore[arg-type]
-    raise ConfigError(f"{name}: expected {_type_name(kind)}, got {value!r}")
-
-
-def _parse_yaml_text(text: str, name: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{name}: not valid YAML: {' '.join(str(err).split())}") from None
-
-
-def build_dataclass(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
-    """Returns `cls(**values)` with nested sections built and every value type-checked;
-    an unknown key raises ConfigError that suggests the closest field."""
-    hints = _field_types(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in known:
-            guess = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f" (did you mean '{prefix + '.' if prefix else ''}{guess[0]}'?)" if guess else ""
-            raise ConfigError(f"unknown config field '{dotted}'{hint}")
-        kind = hints[key]
-        if dataclasses.is_dataclass(kind) and not isinstance(value, dict):
-            raise ConfigError(f"{dotted}: expected a section of fields, got {value!r}")
-        kwargs[key] = coerce(value, kind, dotted)
-    return cls(**kwargs)
-
-
-def config_to_dict(config: Config) -> dict[str, Any]:
-    """Returns the config as nested plain dicts (what config.yaml holds)."""
-    return dataclasses.asdict(config)
+def _canonical(arg: str) -> str:
+    """Returns a flag as the parser knows it: dashes in its name as underscores
+    (--rollout.max-new-tokens is --rollout.max_new_tokens), --model as --model.path;
+    values pass unchanged."""
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    flag, eq, value = arg.partition("=")
+    flag = "--" + flag[2:].replace("-", "_")
+    return ("--model.path" if flag == "--model" else flag) + eq + value
 
 
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
@@ -490,98 +491,88 @@ def load_yaml_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    *sections, leaf = dotted.split(".")
-    for section in sections:
-        node = tree.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{section}: expected a section of fields, got {node!r}")
-        tree = node
-    tree[leaf] = value
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """Returns the config as nested plain dicts (what config.yaml holds)."""
+    return dataclasses.asdict(config)
 
 
-# ---------------------------------------------------------------- command line
+def _checked(parse: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Returns parse(*args, **kwargs); jsonargparse's errors become one-line ConfigErrors."""
+    try:
+        return parse(*args, **kwargs)
+    except argparse.ArgumentError as err:
+        raise ConfigError(_one_line(str(err))) from None
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(message)
+def _one_line(message: str) -> str:
+    """Returns a jsonargparse error message as one line that names the field.
+
+    jsonargparse nests its messages (`Parser key "reward.functions":` then the item's
+    `Parser key "weight":` ...); the innermost line says what is wrong."""
+    name = ""
+    for key in re.findall(r'Parser key "([^"]+)"', message):  # outermost first
+        name = key if not name or f"{key}.".startswith(f"{name}.") else f"{name}.{key}"
+    if unknown := re.match(r"unrecognized arguments: (\S+)", message):
+        flag = unknown[1].split("=")[0]
+        flags = ["--" + key for key in build_parser().get_defaults().keys()]  # noqa: SIM118
+        return f"unknown config field '{flag}'" + _did_you_mean(flag, [*flags, "--model"])
+    if unknown := re.search(r"(?:Group '([^']+)' does not accept o|O)ption '([^']+)'", message):
+        section = ".".join(filter(None, [name, unknown[1]]))
+        dotted = ".".join(filter(None, [section, unknown[2]]))
+        fields = [f"{section}.{f}" if section else f for f in _fields_under(section)]
+        return f"unknown config field '{dotted}'" + _did_you_mean(dotted, fields)
+    given = re.search(r"(?:Got|Given) value: (.*)", message)
+    expected = re.search(r"Expected a (.*?)\. Got value:", message)
+    if name and given and expected:
+        value = given[1]
+        if choices := re.match(r"typing\.Literal\[(.*)\]$", expected[1]):
+            options = ast.literal_eval(f"({choices[1]},)")
+            listed = ", ".join(repr(c) if c == "" else c for c in options)
+            return f"{name} must be one of {listed}; got {value!r}"
+        kind = _type_word(expected[1])
+        if kind == "float" and _is_non_finite(value):
+            return f"{name} must be finite, got {value}"
+        return f"{name}: expected {kind}, got {value!r}"
+    if name and (section := re.search(r"Unable to load config '([^']*)'", message)):
+        return f"{name}: expected a section of fields, got {section[1]!r}"
+    if name and given and (subtypes := re.search(r"Subtypes: \[(.*)\]", message)):
+        kinds = " or ".join(_type_word(t) for t in subtypes[1].split(", "))
+        return f"{name}: expected {kinds}, got {given[1]!r}"
+    return " ".join(message.split())
 
 
-@dataclass
-class CommandLine:
-    """What the command line asked for: the config and, if any, a run to resume."""
-
-    config: Config
-    resume_dir: Path | None
+def _type_word(kind: str) -> str:
+    """Returns "float" for "<class 'float'>", "null" for NoneType."""
+    word = re.sub(r"<class '(?:builtins\.)?([\w.]+)'>", r"\1", kind)
+    return {"NoneType": "null", "dict": "mapping"}.get(word, word)
 
 
-def build_parser(prog: str = "ppo.py") -> argparse.ArgumentParser:
-    """Returns the argument parser whose --help lists every config field with its doc."""
-    parser = _OneLineParser(
-        prog=prog,
-        description="PPO fine-tuning of a causal LM on Ray with vLLM rollouts.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        argument_default=argparse.SUPPRESS,
-        allow_abbrev=False,
-    )
-    parser.add_argument("--config", metavar="FILE.yaml", help="Load config from a YAML file.")
-    parser.add_argument(
-        "--resume", metavar="RUN_DIR", help="Continue a stopped run from its last checkpoint."
-    )
-    parser.add_argument("--model", metavar="PATH", dest="model.path", help="Same as --model.path.")
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for dotted, (kind, default, doc) in leaf_fields().items():
-        section = dotted.split(".")[0] if "." in dotted else "run"
-        if section not in groups:
-            groups[section] = parser.add_argument_group(f"{section} settings")
-        shown = (
-            default
-            if not isinstance(default, list)
-            else yaml.safe_dump(
-                [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in default],
-                default_flow_style=True,
-            ).strip()
-        )
-        names = [f"--{dotted}"]
-        if "_" in dotted:
-            names.append(f"--{dotted.replace('_', '-')}")
-        groups[section].add_argument(
-            *names, dest=dotted, metavar=_type_name(kind).upper(), help=f"{doc} (default: {shown})"
-        )
-    return parser
+def _is_non_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
-def parse_command_line(argv: list[str]) -> CommandLine:
-    """Returns the config from defaults < --config file (or the resumed run's
-    config.yaml) < command-line overrides. Raises ConfigError on any bad input."""
-    parser = build_parser()
-    known, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flag = unknown[0].split("=")[0]
-        dotted = flag.lstrip("-").replace("-", "_")
-        fields = list(leaf_fields())
-        guess = difflib.get_close_matches(dotted, fields, n=1)
-        hint = f" (did you mean '--{guess[0]}'?)" if guess else ""
-        raise ConfigError(f"unknown config field '{flag}'{hint}")
-    given = vars(known)
-    resume_dir = Path(given.pop("resume")) if "resume" in given else None
-    tree: dict[str, Any] = {}
-    if resume_dir is not None:
-        if "config" in given:
-            raise ConfigError("--resume takes the run's own config.yaml; drop --config")
-        if not (resume_dir / "config.yaml").is_file():
-            raise ConfigError(f"--resume: no config.yaml in {resume_dir}")
-        tree = load_yaml_file(resume_dir / "config.yaml")
-        tree["run_dir"] = str(resume_dir)
-    elif "config" in given:
-        tree = load_yaml_file(given.pop("config"))
-    given.pop("config", None)
-    for dotted, value in given.items():
-        _set_dotted(tree, dotted, value)
-    if resume_dir is not None and Path(tree.get("run_dir", resume_dir)) != resume_dir:
-        raise ConfigError("--resume and --run-dir name different directories")
-    return CommandLine(config=build_dataclass(Config, tree), resume_dir=resume_dir)
+def _did_you_mean(name: str, known: list[str]) -> str:
+    guess = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean '{guess[0]}'?)" if guess else ""
+
+
+def _fields_under(section: str) -> list[str]:
+    """Returns the field names of a section ("" for the top level, "reward.functions" for a
+    reward spec)."""
+    kind: Any = Config
+    for part in filter(None, section.split(".")):
+        kind = _field_types(kind).get(part) if dataclasses.is_dataclass(kind) else None
+        if typing.get_origin(kind) is list:
+            (kind,) = typing.get_args(kind)
+    return [f.name for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 # ---------------------------------------------------------------- validation
@@ -593,6 +584,9 @@ def validate(config: Config) -> None:
     File checks (model path, data files, prompt lengths) need the tokenizer and live in
     rlray.data.check_prompts_fit and rlray.models.resolve_model_path.
     """
+    for name, value in _float_fields(config, Config):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be finite, got {value}")
     r, a, b, learner = config.rollout, config.algorithm, config.buffer, config.learner
     positive = {
         "model.max_model_len": config.model.max_model_len,
@@ -675,6 +669,27 @@ def validate(config: Config) -> None:
         raise ConfigError("reward.functions must name at least one reward")
     for i, spec in enumerate(config.reward.functions):
         _check_reward_spec(f"reward.functions[{i}]", spec)
+
+
+def _float_fields(value: Any, kind: Any, name: str = "") -> Iterator[tuple[str, float]]:
+    """Yields (dotted name, value) of every float in the config, by the fields' types
+    (reward.functions[0].weight and learner.resources.<key> included)."""
+    origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        for f in dataclasses.fields(kind):
+            dotted = f"{name}.{f.name}" if name else f.name
+            yield from _float_fields(getattr(value, f.name), _field_types(kind)[f.name], dotted)
+    elif origin in (typing.Union, types.UnionType) and value is not None:
+        (inner,) = [t for t in typing.get_args(kind) if t is not type(None)]
+        yield from _float_fields(value, inner, name)
+    elif origin is list:
+        for i, item in enumerate(value):
+            yield from _float_fields(item, typing.get_args(kind)[0], f"{name}[{i}]")
+    elif origin is dict:
+        for key, item in value.items():
+            yield from _float_fields(item, typing.get_args(kind)[1], f"{name}.{key}")
+    elif kind is float and isinstance(value, (int, float)):
+        yield name, value
 
 
 def _check_algorithm(config: Config) -> None:
