@@ -143,7 +143,15 @@ def train(plan: RunPlan, driver: PPODriver, log: MetricsLog) -> dict:
     driver.sync_weights()
     if driver.learner_version == 0:
         initial = driver.evaluate()
-        log.write({"step": 0, "policy_version": 0, "eval_accuracy": initial.accuracy})
+        elapsed = time.perf_counter() - started
+        log.write(
+            {
+                "step": 0,
+                "policy_version": 0,
+                "eval_accuracy": initial.accuracy,
+                "elapsed_seconds": elapsed,
+            }
+        )
         progress.evaluated(0, initial)
     episodes = 0
     for step in range(first_step, steps + 1):
@@ -158,6 +166,7 @@ def train(plan: RunPlan, driver: PPODriver, log: MetricsLog) -> dict:
             progress.evaluated(step, result)
         if step % config.learner.checkpoint_every == 0 or last:
             record["checkpoint"] = str(driver.save_checkpoint())
+        record["elapsed_seconds"] = time.perf_counter() - started
         log.write(record)
         progress.stepped(record)
     wall = time.perf_counter() - started

@@ -11,15 +11,12 @@ episode references, recording Ray metrics), and turns a dead or stuck actor into
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
-import torch
 from aiohttp import web
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -35,6 +32,7 @@ from rlray.rewards import RewardWorker, ScoreStats
 from rlray.rollout import EvalResult, RolloutWorker, vllm_env
 from rlray.store import StoreStats, mark_trained, open_store
 from rlray.telemetry import Telemetry
+from rlray.weights import PackedWeights, pack_weights, unpack_weights, weights_for_vllm
 
 
 class ActorFailure(RuntimeError):
@@ -81,18 +79,19 @@ class LearnerActor(Learner):
         self.telemetry.set("rlray_reward_mean", metrics.reward_mean)
         self.telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)
         self.telemetry.set("rlray_logprob_parity_error", metrics.logprob_parity_error)
+        self.telemetry.set("rlray_rollout_logprob_diff_mean", metrics.rollout_logprob_diff_mean)
         self.telemetry.set("rlray_policy_version", metrics.policy_version)
         return metrics
 
-    def publish_weights(self) -> tuple[int, dict[str, np.ndarray]]:
-        """Returns (version, weights) as numpy arrays. Returned from an actor method, the
-        dict is stored once in the object store, owned by the caller; rollout workers on
+    def publish_weights(self) -> tuple[int, PackedWeights]:
+        """Returns (version, weights) packed as byte arrays. Returned from an actor method,
+        they are stored once in the object store, owned by the caller; rollout workers on
         the same node then read the arrays without a copy."""
-        return self.version, {name: t.numpy() for name, t in self.policy_weights().items()}
+        return self.version, pack_weights(self.published_weights(), self.tied_output)
 
 
 class RolloutActor(RolloutWorker):
-    """The RolloutWorker; weights arrive as numpy arrays from the object store."""
+    """The RolloutWorker; weights arrive as packed byte arrays from the object store."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -112,15 +111,12 @@ class RolloutActor(RolloutWorker):
         self.telemetry.set("rlray_eval_accuracy", result.accuracy)
         return result
 
-    def load_published(self, published: tuple[int, dict[str, np.ndarray]]) -> tuple[int, float]:
+    def load_published(self, published: tuple[int, PackedWeights]) -> tuple[int, float]:
         """Loads a published (version, weights) pair in place; returns the version now
         held and the seconds it took."""
-        version, arrays = published
-        with warnings.catch_warnings():
-            # The object store hands out read-only arrays and torch warns about sharing
-            # them; vLLM only reads them (it copies into its own parameters).
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            weights = {name: torch.from_numpy(a) for name, a in arrays.items()}
+        version, packed = published
+        architecture = self.llm.model_config.architecture
+        weights = weights_for_vllm(unpack_weights(packed), packed.tied_output, architecture)
         seconds = self.load_weights(version, weights)
         self.telemetry.set("rlray_policy_version", self.policy_version)
         return self.policy_version, seconds
@@ -138,6 +134,11 @@ class RewardActor(RewardWorker):
         self.telemetry.add("rlray_episodes_scored", stats.episodes)
         return scored, stats
 
+    def score_and_split(self, episodes: list[Episode], step: int = 0) -> Any:
+        kept, uniform, stats = super().score_and_split(episodes, step)
+        self.telemetry.add("rlray_uniform_groups_dropped", stats.uniform_groups)
+        return kept, uniform, stats
+
 
 class BufferActor(EpisodeBuffer):
     """The EpisodeBuffer, reporting depth, stale drops and staleness for the dashboard."""
@@ -148,8 +149,8 @@ class BufferActor(EpisodeBuffer):
         self.telemetry.set("rlray_dropped_stale", 0)
         self.telemetry.set("rlray_buffer_depth", 0)
 
-    def add(self, batch: BufferedBatch) -> None:
-        super().add(batch)
+    def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
+        super().add(batch, reserved)
         self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
 
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
@@ -361,10 +362,12 @@ def _start_learner(
             config.model,
             config.algorithm,
             config.learner,
-            config.rollout.temperature,
-            config.seed,
-            device,
-            checkpoint,
+            max_new_tokens=config.rollout.max_new_tokens,
+            samples_per_prompt=config.rollout.samples_per_prompt,
+            temperature=config.rollout.temperature,
+            seed=config.seed,
+            device=device,
+            checkpoint=checkpoint,
         )
     )
 

@@ -56,14 +56,19 @@ class EpisodeBuffer:
         self.reserved_episodes += num_episodes
         return True
 
-    def add(self, batch: BufferedBatch) -> None:
-        """Appends a batch whose room was reserved; raises if none was."""
-        if self.reserved_episodes < batch.num_episodes:
+    def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
+        """Appends a batch whose room was reserved and gives back the whole reservation
+        (`reserved` episodes, default the batch's size: dynamic sampling may leave fewer,
+        or none, of a reserved batch); raises if too little was reserved."""
+        reserved = batch.num_episodes if reserved is None else reserved
+        if self.reserved_episodes < reserved or reserved < batch.num_episodes:
             raise OverflowError(
-                f"add of {batch.num_episodes} episodes without a reservation "
-                f"({self.reserved_episodes} reserved)"
+                f"add of {batch.num_episodes} episodes against a reservation of {reserved} "
+                f"({self.reserved_episodes} reserved in all)"
             )
-        self.reserved_episodes -= batch.num_episodes
+        self.reserved_episodes -= reserved
+        if batch.num_episodes == 0:
+            return
         self._batches.append(batch)
         self.depth_episodes += batch.num_episodes
         self.added_episodes += batch.num_episodes

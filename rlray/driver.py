@@ -97,6 +97,8 @@ class InFlight:
     policy_version: int
     num_episodes: int
     first_prompt_index: int
+    uniform: Any = None
+    """ObjectRef[list[Episode]] of the groups dynamic sampling split off, if it is on."""
     generated: GenerateStats | None = None
     """Set when generation is done: the rollout worker is free while scoring runs."""
 
@@ -112,6 +114,10 @@ class RolloutTally:
     """Time the driver waited with every batch generated and only scoring pending."""
     reward_failures: dict[str, int] = field(default_factory=dict)
     reward_dropped: int = 0
+    prompts_generated: int = 0
+    uniform_groups: int = 0
+    """Groups left out by dynamic sampling (all samples got the same reward)."""
+    uniform_episodes: int = 0
     per_worker_version: dict[str, int] = field(default_factory=dict)
 
     def tokens_per_s(self) -> float | None:
@@ -176,9 +182,16 @@ class PPODriver:
         reward_index = self.next_reward
         self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
         scorer = self.actors.reward[reward_index]
-        scored, score_stats = scorer.score.options(num_returns=2).remote(
-            episodes, self.learner_version
-        )
+        uniform = None
+        if self.config.algorithm.drop_uniform_groups:
+            scored, uniform, score_stats = scorer.score_and_split.options(num_returns=3).remote(
+                episodes, self.learner_version
+            )
+        else:
+            scored, score_stats = scorer.score.options(num_returns=2).remote(
+                episodes, self.learner_version
+            )
+        self.tally.prompts_generated += count
         self.in_flight.append(
             InFlight(
                 generate_stats=gen_stats,
@@ -190,6 +203,7 @@ class PPODriver:
                 policy_version=self.worker_versions[worker],
                 num_episodes=count * self.config.rollout.samples_per_prompt,
                 first_prompt_index=first,
+                uniform=uniform,
             )
         )
 
@@ -231,15 +245,20 @@ class PPODriver:
         batch = BufferedBatch(
             ref=[item.episodes],
             policy_version=item.generated.policy_version,
-            num_episodes=item.generated.episodes,
+            num_episodes=item.generated.episodes - score.uniform_episodes,
             first_prompt_index=item.first_prompt_index,
             batch_id=self.next_batch_id,
         )
         self.next_batch_id += 1
-        self._call("buffer", self.actors.buffer.add.remote(batch), "add")
+        reserved = item.generated.episodes
+        self._call("buffer", self.actors.buffer.add.remote(batch, reserved), "add")
+        if item.uniform is not None and score.uniform_episodes:
+            self._store([[item.uniform]], trained_at=None)  # never trained on, kept
         self.buffered_episodes += batch.num_episodes
         self.tally.reward_seconds += score.seconds
         self.tally.reward_dropped += score.dropped
+        self.tally.uniform_groups += score.uniform_groups
+        self.tally.uniform_episodes += score.uniform_episodes
         for name, count in score.failures.items():
             self.tally.reward_failures[name] = self.tally.reward_failures.get(name, 0) + count
 
@@ -280,6 +299,9 @@ class PPODriver:
             "reward_wait_seconds": tally.reward_wait_seconds,
             "reward_failures": tally.reward_failures,
             "reward_dropped_episodes": tally.reward_dropped,
+            "prompts_generated": tally.prompts_generated,
+            "dropped_uniform_groups": tally.uniform_groups,
+            "dropped_uniform_episodes": tally.uniform_episodes,
             "worker_policy_versions": tally.per_worker_version,
         }
 
@@ -356,6 +378,8 @@ class PPODriver:
         for item in list(self.in_flight):
             if self._scored_without_error(item):
                 self._store([[item.episodes]], trained_at=None)
+                if item.uniform is not None:
+                    self._store([[item.uniform]], trained_at=None)
         self.in_flight.clear()
         if self.actors.buffer is not None:
             leftovers = self._call("buffer", self.actors.buffer.drain.remote(), "drain")

@@ -1,15 +1,20 @@
-"""Learner: PPO on a transformers causal LM with a critic and a frozen reference.
+"""Learner: one step of the configured algorithm on a batch of episodes.
 
 A plain class: tests construct it in-process; rlray.actors wraps it in a Ray actor.
-The loss math lives in rlray.ppo_math; this module turns episodes into tensors, runs
-the forward passes and the optimizer, and saves and loads checkpoints.
+It composes the engine (rlray/engine.py: models, forward passes, optimizer, checkpoints)
+and the algorithm (rlray/algorithm.py: advantages and losses), and turns episodes into
+the tensors they exchange.
+
+The ratio's old logprobs are the learner's own, computed before the update. vLLM's
+logprobs enter only through the rollout-correction weight, and the step reports how
+far they are from the learner's: that gap is rollout/learner mismatch (bf16 kernels,
+a corrupted sync) plus staleness.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -17,73 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from rlray import ppo_math as pm
+from rlray import rl_math as rm
+from rlray.algorithm import Algorithm, MicroBatch, StepInputs
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from rlray.engine import Engine, MiniBatchTotals, Outputs, TokenBatch, collate
 from rlray.episode import Episode
+from rlray.groups import check_whole_groups, group_indexes
 from rlray.models import resolve_model_path
+from rlray.weights import publishable_weights, tied_output_name
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LATEST = "latest"
-
-
-class ValueModel(nn.Module):
-    """Critic: the base transformer of the starting model plus a linear value head."""
-
-    def __init__(self, trunk: nn.Module, hidden_size: int):
-        super().__init__()
-        self.trunk = trunk
-        self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden).squeeze(-1)  # (B, L)
-
-
-@dataclass
-class TokenBatch:
-    """Episodes as right-padded tensors. L: prompt + completion length; T: completion."""
-
-    input_ids: torch.Tensor  # (B, L)
-    attention_mask: torch.Tensor  # (B, L)
-    completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) 1.0 on real completion tokens
-    positions: torch.Tensor  # (B, T) index in L of the logits that predict each completion token
-    rollout_logprobs: torch.Tensor  # (B, T)
-    has_logprobs: torch.Tensor  # (B,) False for posted episodes that came without logprobs
-
-    def rows(self, index: torch.Tensor) -> TokenBatch:
-        """Returns the sub-batch of the given episode rows."""
-        return TokenBatch(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
-
-
-def collate(episodes: list[Episode], pad_token_id: int) -> TokenBatch:
-    """Returns the episodes as a right-padded TokenBatch."""
-    lengths = [len(e.prompt_token_ids) + len(e.completion_token_ids) for e in episodes]
-    width = max(lengths)
-    steps = max(max(len(e.completion_token_ids) for e in episodes), 1)
-    batch = len(episodes)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros(batch, width, dtype=torch.long)
-    completion = torch.full((batch, steps), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(batch, steps)
-    positions = torch.zeros(batch, steps, dtype=torch.long)
-    logprobs = torch.zeros(batch, steps)
-    has_logprobs = torch.zeros(batch, dtype=torch.bool)
-    for i, e in enumerate(episodes):
-        p, c = len(e.prompt_token_ids), len(e.completion_token_ids)
-        input_ids[i, : p + c] = torch.tensor(e.prompt_token_ids + e.completion_token_ids)
-        attention[i, : p + c] = 1
-        completion[i, :c] = torch.tensor(e.completion_token_ids)
-        mask[i, :c] = 1.0
-        positions[i, :c] = torch.arange(p - 1, p + c - 1)
-        if len(e.rollout_logprobs) == c:
-            logprobs[i, :c] = torch.tensor(e.rollout_logprobs)
-            has_logprobs[i] = True
-    return TokenBatch(input_ids, attention, completion, mask, positions, logprobs, has_logprobs)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -93,25 +43,42 @@ class StepMetrics:
     step: int
     policy_version: int
     episodes: int
+    groups: int
     reward_mean: float
     reward_components: dict[str, float]
     """Mean of each reward component over the episodes it scored."""
     policy_loss: float
-    value_loss: float
-    kl: float
-    entropy: float
     clip_fraction: float
-    value_clip_fraction: float
-    explained_variance: float
+    entropy: float
+    grad_norm: float
+    advantage_abs_mean: float
+    """Mean |advantage| over loss tokens: 0 means nothing was learned from this step."""
+    zero_advantage_share: float
+    """Share of episodes whose advantages are all 0 (e.g. groups that all got one reward)."""
+    value_loss: float | None
+    value_clip_fraction: float | None
+    explained_variance: float | None
+    kl: float | None
+    """Mean KL estimate against the reference (None without one)."""
     staleness_mean: float
     logprob_parity_error: float | None
+    """Max |vLLM - learner| logprob over episodes made by the learner's current weights."""
+    rollout_logprob_diff_mean: float | None
+    """Mean |vLLM - learner| logprob over every token with vLLM logprobs (stale too)."""
+    rollout_logprob_diff_max: float | None
+    rollout_ratio_outside_share: float | None
+    """Share of those tokens whose ratio learner / vLLM lies outside [0.5, 2]."""
+    rollout_correction_weight_mean: float
+    episodes_without_logprobs: int
+    """Posted episodes that came without vLLM logprobs: trained at ratio 1."""
+    truncated_share: float
     learner_tokens_per_s: float
     learner_seconds: float
     completion_length_mean: float
 
 
 class Learner:
-    """PPO learner: policy, critic, frozen reference and one AdamW optimizer."""
+    """Composes an Engine and an Algorithm; keeps the policy version and prompt cursor."""
 
     def __init__(
         self,
@@ -119,138 +86,167 @@ class Learner:
         model: ModelConfig,
         algorithm: AlgorithmConfig,
         learner: LearnerConfig,
+        *,
+        max_new_tokens: int,
+        samples_per_prompt: int,
         temperature: float,
         seed: int,
         device: str = "cpu",
         checkpoint: str | None = None,
     ):
-        from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        from transformers import AutoTokenizer
 
-        hf_logging.disable_progress_bar()  # checkpoint saves would print a bar each
-
-        torch.manual_seed(seed)
-        from types import SimpleNamespace  # temporary: the engine/algorithm split replaces it
-
-        ppo = SimpleNamespace(**asdict(algorithm), **asdict(learner))
-        ppo.clip = algorithm.clip_low or 0.2
-        self.ppo = ppo
-        self.temperature = temperature
-        self.device = torch.device(device)
         model_path = resolve_model_path(model_path)  # the embedded model: built on this node
         self.model_path = model_path
-        dtype = _DTYPES[model.dtype]
-        policy_path = f"{checkpoint}/policy" if checkpoint else model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
+        self.algorithm = Algorithm.from_config(algorithm, max_new_tokens)
+        self.learner = learner
+        self.samples_per_prompt = samples_per_prompt
+        self.rollout_dtype = _DTYPES[model.dtype]
+        self.engine = Engine(
+            model_path,
+            dtype=model.dtype,
+            device=device,
+            lr=learner.lr,
+            critic_lr=learner.critic_lr,
+            max_grad_norm=learner.max_grad_norm,
+            micro_batch_size=learner.micro_batch_size,
+            temperature=temperature,
+            with_reference=self.algorithm.needs_reference,
+            with_critic=self.algorithm.needs_critic,
+            gradient_checkpointing=learner.gradient_checkpointing,
+            seed=seed,
+            checkpoint=checkpoint,
+        )
+        self.device = self.engine.device
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            f"{checkpoint}/policy" if checkpoint else model_path
+        )
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
-        self.policy = AutoModelForCausalLM.from_pretrained(policy_path, dtype=dtype).to(self.device)
-        self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(
-            self.device
-        )
-        self.reference.requires_grad_(False).eval()
-        critic_trunk = AutoModel.from_pretrained(
-            f"{checkpoint}/critic" if checkpoint else model_path, dtype=dtype
-        )
-        self.critic = ValueModel(critic_trunk, self.policy.config.hidden_size).to(
-            self.device, dtype
-        )
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": self.policy.parameters(), "lr": ppo.lr},
-                {"params": self.critic.parameters(), "lr": ppo.critic_lr},
-            ],
-            weight_decay=0.0,
-        )
-        self.shuffle = torch.Generator().manual_seed(seed)
         self.version = 0
         self.prompt_cursor = 0
         self.probe_parity: float | None = None
         if checkpoint:
-            self._load_state(Path(checkpoint))
+            state = json.loads((Path(checkpoint) / "state.json").read_text())
+            self.version = int(state["version"])
+            self.prompt_cursor = int(state["prompt_cursor"])
 
-    # ------------------------------------------------------------------ forward passes
+    # ------------------------------------------------------------------ tensors
 
-    def _completion_logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        logits = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask
-        ).logits  # (B, L, V)
-        index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        return logits.gather(1, index).float() / self.temperature  # (B, T, V)
+    def _batch(self, episodes: list[Episode]) -> TokenBatch:
+        prompts = [e.prompt_token_ids for e in episodes]
+        completions = [e.completion_token_ids for e in episodes]
+        return collate(prompts, completions, self.pad_token_id).to(self.device)
 
-    def _completion_values(self, batch: TokenBatch) -> torch.Tensor:
-        values = self.critic(batch.input_ids, batch.attention_mask)  # (B, L)
-        return values.gather(1, batch.positions).float()  # (B, T)
-
-    def _token_logprobs(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
-        """Returns (B, T) logprobs of the completion tokens under `model`, no gradient."""
-        with torch.no_grad():
-            return pm.token_logprobs(self._completion_logits(model, batch), batch.completion_ids)
+    def _rollout_logprobs(self, episodes: list[Episode], steps: int) -> tuple[torch.Tensor, ...]:
+        """Returns vLLM's (B, T) logprobs and which rows have them (posted episodes may not)."""
+        logprobs = torch.zeros(len(episodes), steps)
+        known = torch.zeros(len(episodes), dtype=torch.bool)
+        for i, e in enumerate(episodes):
+            if e.completion_token_ids and len(e.rollout_logprobs) == len(e.completion_token_ids):
+                logprobs[i, : len(e.rollout_logprobs)] = torch.tensor(e.rollout_logprobs)
+                known[i] = True
+        return logprobs.to(self.device), known.to(self.device)
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Returns the policy's logprob of every completion token of each episode."""
-        batch = self._to_device(collate(episodes, self.pad_token_id))
-        logp = self._token_logprobs(self.policy, batch)
+        logp = self.engine.score(self._batch(episodes), with_values=False).logp
         return [logp[i, : len(e.completion_token_ids)].tolist() for i, e in enumerate(episodes)]
 
-    def _to_device(self, batch: TokenBatch) -> TokenBatch:
-        return TokenBatch(*(getattr(batch, f).to(self.device) for f in batch.__dataclass_fields__))
-
-    # ------------------------------------------------------------------ one PPO step
+    # ------------------------------------------------------------------ one step
 
     def train_step(self, episodes: list[Episode]) -> StepMetrics:
-        """Runs one PPO update (epochs x mini-batches) on the episodes; returns metrics.
-
-        Episodes without a reward (dropped by a failing reward component under
-        reward.on_failure=drop_episode) are left out; if none is left, raises ValueError
-        rather than silently train on nothing."""
+        """Runs one update of the algorithm (epochs x mini-batches) on the episodes; returns
+        metrics. Every group of this run's prompts must be whole (all samples_per_prompt
+        samples), else ValueError. Episodes without a reward (a failing reward under
+        reward.on_failure=drop_episode) are left out; if none is left, ValueError."""
         started = time.perf_counter()
-        ppo = self.ppo
+        check_whole_groups(episodes, self.samples_per_prompt)
         episodes = [e for e in episodes if e.reward is not None]
         if not episodes:
             raise ValueError("every episode of this step was dropped by a failing reward")
-        batch = self._to_device(collate(episodes, self.pad_token_id))
+        batch = self._batch(episodes)
         mask = batch.mask
-        current_logp = self._token_logprobs(self.policy, batch)
-        ref_logp = self._token_logprobs(self.reference, batch)
-        with torch.no_grad():
-            old_values = self._completion_values(batch)
-        parity = self._parity_error(episodes, current_logp, batch)
+        group = torch.tensor(group_indexes(episodes), device=self.device)
+        rewards = torch.tensor([float(e.reward) for e in episodes], device=self.device)
+        truncated = torch.tensor(
+            [e.finish_reason == "length" for e in episodes], device=self.device
+        )
+        before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
+        old_logp = before.logp
+        ref_logp = self.engine.reference_logprobs(batch)
+        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
+        parity = self._parity_error(episodes, old_logp, rollout_logp, mask * known[:, None])
         if parity is None:  # nothing fresh in this batch: report the post-sync probe
             parity = self.probe_parity
         self.probe_parity = None
-        # The behaviour policy's logprobs (vLLM's) make the importance ratio exact for
-        # stale episodes too; on fresh ones they equal current_logp (parity check).
-        # Posted episodes without logprobs start from the learner's own (ratio 1).
-        old_logp = torch.where(batch.has_logprobs[:, None], batch.rollout_logprobs, current_logp)
-        kl = pm.kl_estimate(old_logp, ref_logp, ppo.kl_estimator)
-        rewards = torch.tensor([float(e.reward or 0.0) for e in episodes], device=self.device)
-        reward_kl_coef = ppo.kl_coef if ppo.kl_mode == "reward" else 0.0
-        token_rewards = pm.token_rewards(rewards, kl, mask, reward_kl_coef)
-        advantages, returns = pm.gae(token_rewards, old_values, mask, ppo.gamma, ppo.lam)
-        if ppo.whiten_advantages:
-            advantages = pm.masked_whiten(advantages, mask)
-        totals = self._run_epochs(batch, old_logp, ref_logp, old_values, advantages, returns)
+        # Rows without vLLM logprobs take the learner's own: weight 1 (ratio 1).
+        behaviour = torch.where(known[:, None], rollout_logp, old_logp)
+        correction = self.algorithm.correction_weights(old_logp, behaviour, mask)
+        step = StepInputs(rewards, group, mask, old_logp, ref_logp, before.values)
+        advantages = self.algorithm.advantages(step)
+        loss_mask = self.algorithm.loss_mask(mask, truncated)
+
+        def loss_fn(outputs: Outputs, rows: torch.Tensor, totals: MiniBatchTotals):
+            micro = MicroBatch(
+                logp=outputs.logp,
+                mask=loss_mask[rows],
+                old_logp=old_logp[rows],
+                advantages=advantages.advantages[rows],
+                correction=correction[rows],
+                entropy=outputs.entropy,
+                values=outputs.values,
+                old_values=_rows(before.values, rows),
+                returns=_rows(advantages.returns, rows),
+                ref_logp=_rows(ref_logp, rows),
+            )
+            return self.algorithm.loss(micro, totals.tokens, totals.sequences)
+
+        updates = self.engine.train(
+            batch,
+            loss_mask,
+            loss_fn,
+            self.learner.epochs,
+            self.learner.minibatch_size,
+            entropy_grad=self.algorithm.needs_entropy_gradient,
+        )
         self.version += 1
         seconds = time.perf_counter() - started
-        tokens = int(batch.attention_mask.sum()) * ppo.epochs
+        mismatch = rm.logprob_mismatch(old_logp, rollout_logp, mask * known[:, None])
+        mean_update = {k: sum(u.get(k, 0.0) for u in updates) / len(updates) for k in updates[0]}
+        critic = self.algorithm.needs_critic
+        adv = advantages.advantages
         return StepMetrics(
             step=self.version,
             policy_version=self.version,
             episodes=len(episodes),
+            groups=int(group.max()) + 1,
             reward_mean=float(rewards.mean()),
             reward_components=component_means(episodes),
-            policy_loss=totals["policy_loss"],
-            value_loss=totals["value_loss"],
-            kl=float(pm.masked_mean(kl, mask)),
-            entropy=totals["entropy"],
-            clip_fraction=totals["clip_fraction"],
-            value_clip_fraction=totals["value_clip_fraction"],
-            explained_variance=pm.explained_variance(old_values, returns, mask),
+            policy_loss=mean_update["policy_loss"],
+            clip_fraction=mean_update["clip_fraction"],
+            entropy=mean_update["entropy"],
+            grad_norm=mean_update["grad_norm"],
+            advantage_abs_mean=float(rm.masked_mean(adv.abs(), loss_mask)),
+            zero_advantage_share=float(((adv * mask).abs().sum(dim=1) == 0).float().mean()),
+            value_loss=mean_update["value_loss"] if critic else None,
+            value_clip_fraction=mean_update["value_clip_fraction"] if critic else None,
+            explained_variance=(
+                rm.explained_variance(before.values, advantages.returns, mask) if critic else None
+            ),
+            kl=None if advantages.kl is None else float(rm.masked_mean(advantages.kl, mask)),
             staleness_mean=staleness_mean(episodes, self.version - 1),
             logprob_parity_error=parity,
-            learner_tokens_per_s=tokens / seconds,
+            rollout_logprob_diff_mean=float(mismatch["mean"]) if bool(known.any()) else None,
+            rollout_logprob_diff_max=float(mismatch["max"]) if bool(known.any()) else None,
+            rollout_ratio_outside_share=(
+                float(mismatch["outside_share"]) if bool(known.any()) else None
+            ),
+            rollout_correction_weight_mean=float(rm.masked_mean(correction, mask)),
+            episodes_without_logprobs=int((~known).sum()),
+            truncated_share=float(truncated.float().mean()),
+            learner_tokens_per_s=int(batch.attention_mask.sum()) * self.learner.epochs / seconds,
             learner_seconds=seconds,
             completion_length_mean=float(mask.sum(dim=1).mean()),
         )
@@ -260,99 +256,40 @@ class Learner:
         weight sync. With max_staleness >= 1 training batches are usually a version old,
         so without a probe a corrupted sync would go unseen; the next train_step reports
         it when its own batch has no fresh episodes."""
-        batch = self._to_device(collate(episodes, self.pad_token_id))
-        current_logp = self._token_logprobs(self.policy, batch)
-        self.probe_parity = self._parity_error(episodes, current_logp, batch)
+        batch = self._batch(episodes)
+        logp = self.engine.score(batch, with_values=False).logp
+        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
+        mask = batch.mask * known[:, None]
+        self.probe_parity = self._parity_error(episodes, logp, rollout_logp, mask)
         return self.probe_parity
 
     def _parity_error(
-        self, episodes: list[Episode], current_logp: torch.Tensor, batch: TokenBatch
+        self,
+        episodes: list[Episode],
+        logp: torch.Tensor,
+        rollout_logp: torch.Tensor,
+        mask: torch.Tensor,
     ) -> float | None:
-        """Returns max |vLLM logprob - learner logprob| over episodes made by the current
-        weights (None if there are none): a corrupted weight sync shows up here."""
-        fresh = torch.tensor(
-            [e.policy_version == self.version for e in episodes], device=self.device
-        )
+        """Returns max |vLLM logprob - learner logprob| over the `mask` tokens of episodes
+        made by the current weights (None if there are none): a corrupted weight sync
+        shows up here."""
+        fresh = torch.tensor([e.policy_version == self.version for e in episodes])
+        fresh = fresh.to(self.device) & (mask.sum(dim=1) > 0)
         if not bool(fresh.any()):
             return None
-        gap = (current_logp - batch.rollout_logprobs).abs() * batch.mask
+        gap = (logp - rollout_logp).abs() * mask
         return float(gap[fresh].max())
-
-    def _run_epochs(
-        self, batch, old_logp, ref_logp, old_values, advantages, returns
-    ) -> dict[str, float]:
-        ppo = self.ppo
-        size = batch.input_ids.shape[0]
-        sums: dict[str, float] = dict.fromkeys(
-            ("policy_loss", "value_loss", "entropy", "clip_fraction", "value_clip_fraction"), 0.0
-        )
-        weight_total = 0.0
-        for _ in range(ppo.epochs):
-            order = torch.randperm(size, generator=self.shuffle).to(self.device)
-            for start in range(0, size, ppo.minibatch_size):
-                minibatch = order[start : start + ppo.minibatch_size]
-                token_count = float(batch.mask[minibatch].sum())
-                for micro_start in range(0, len(minibatch), ppo.micro_batch_size):
-                    rows = minibatch[micro_start : micro_start + ppo.micro_batch_size]
-                    parts = self._micro_batch_loss(
-                        batch.rows(rows),
-                        old_logp[rows],
-                        ref_logp[rows],
-                        old_values[rows],
-                        advantages[rows],
-                        returns[rows],
-                        token_count,
-                    )
-                    parts.pop("loss").backward()
-                    share = float(batch.mask[rows].sum())
-                    for key, value in parts.items():
-                        sums[key] += value * share
-                    weight_total += share
-                nn.utils.clip_grad_norm_(self.policy.parameters(), ppo.max_grad_norm)
-                nn.utils.clip_grad_norm_(self.critic.parameters(), ppo.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        return {key: value / max(weight_total, 1.0) for key, value in sums.items()}
-
-    def _micro_batch_loss(
-        self, batch, old_logp, ref_logp, old_values, advantages, returns, token_count
-    ):
-        ppo = self.ppo
-        logits = self._completion_logits(self.policy, batch)
-        logp = pm.token_logprobs(logits, batch.completion_ids)
-        entropy = pm.entropy_from_logits(logits)
-        values = self._completion_values(batch)
-        policy_loss, clip_fraction = pm.policy_loss(
-            logp, old_logp, advantages, batch.mask, ppo.clip, token_count
-        )
-        value_loss, value_clip_fraction = pm.value_loss(
-            values, old_values, returns, batch.mask, ppo.value_clip, token_count
-        )
-        entropy_mean = pm.masked_mean(entropy, batch.mask, token_count)
-        loss = policy_loss + ppo.vf_coef * value_loss - ppo.entropy_coef * entropy_mean
-        if ppo.kl_mode == "loss":
-            kl = pm.kl_estimate(logp, ref_logp, ppo.kl_estimator)
-            loss = loss + ppo.kl_coef * pm.masked_mean(kl, batch.mask, token_count)
-        # Per-token means for reporting (the loss terms above are scaled to the mini-batch).
-        share = token_count / max(float(batch.mask.sum()), 1.0)
-        return {
-            "loss": loss,
-            "policy_loss": policy_loss.item() * share,
-            "value_loss": value_loss.item() * share,
-            "entropy": entropy_mean.item() * share,
-            "clip_fraction": float(clip_fraction),
-            "value_clip_fraction": float(value_clip_fraction),
-        }
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def policy_weights(self) -> dict[str, torch.Tensor]:
-        """Returns the policy's HF-named weights on CPU, for the rollout workers."""
-        # Tied lm_head.weight is sent too: vLLM's CPU backend keeps a separately packed
-        # copy of it, which goes stale (logprob error ~2) if only the embedding loads.
-        return {
-            name: tensor.detach().to("cpu") for name, tensor in self.policy.state_dict().items()
-        }
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """Returns the HF-named weights the rollout workers load, in their dtype, on CPU."""
+        return publishable_weights(self.engine.policy, self.rollout_dtype)
+
+    @property
+    def tied_output(self) -> str | None:
+        """The output embedding's weight name if it is the input embedding (else None)."""
+        return tied_output_name(self.engine.policy)
 
     def save_checkpoint(self, run_dir: str | Path, prompt_cursor: int) -> Path:
         """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
@@ -361,20 +298,9 @@ class Learner:
         final = root / f"step-{self.version:06d}"
         staging = root / f".staging-{self.version:06d}"
         shutil.rmtree(staging, ignore_errors=True)
-        self.policy.save_pretrained(staging / "policy")
-        self.tokenizer.save_pretrained(staging / "policy")
-        self.critic.trunk.save_pretrained(staging / "critic")
-        torch.save(self.critic.head.state_dict(), staging / "critic" / "value_head.pt")
+        staging.mkdir(parents=True)
+        self.engine.save(staging, self.tokenizer)
         self.prompt_cursor = prompt_cursor
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "shuffle_rng": self.shuffle.get_state(),
-                "torch_rng": torch.random.get_rng_state(),
-                "python_rng": random.getstate(),
-            },
-            staging / "trainer_state.pt",
-        )
         state = {
             "version": self.version,
             "step": self.version,
@@ -388,29 +314,19 @@ class Learner:
         (root / f"{LATEST}.tmp").rename(root / LATEST)
         return final
 
-    def _load_state(self, checkpoint: Path) -> None:
-        state = json.loads((checkpoint / "state.json").read_text())
-        head = torch.load(checkpoint / "critic" / "value_head.pt", map_location=self.device)
-        self.critic.head.load_state_dict(head)
-        trainer = torch.load(
-            checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False
-        )
-        self.optimizer.load_state_dict(trainer["optimizer"])
-        self.shuffle.set_state(trainer["shuffle_rng"])
-        torch.random.set_rng_state(trainer["torch_rng"])
-        random.setstate(trainer["python_rng"])
-        self.version = int(state["version"])
-        self.prompt_cursor = int(state["prompt_cursor"])
-
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""
         return {"version": self.version, "prompt_cursor": self.prompt_cursor}
 
 
+def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]
+
+
 def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
     """Returns how many versions behind the learner this run's episodes were, on average
-    (posted episodes, with negative versions, are left out; 0.0 if none is left)."""
-    own = [learner_version - e.policy_version for e in episodes if e.policy_version >= 0]
+    (posted episodes are left out; 0.0 if none is left)."""
+    own = [learner_version - e.policy_version for e in episodes if e.prompt_index >= 0]
     return sum(own) / len(own) if own else 0.0
 
 

@@ -1,37 +1,40 @@
-"""PPO math as pure functions on tensors: GAE, whitening, clipped losses, KL, entropy.
+"""The RL math as pure functions on tensors: advantage estimators, policy and value
+losses, loss aggregation, KL estimators, rollout correction.
 
 Nothing here knows about Ray, configs or models. Every function takes tensors and
-plain numbers and returns tensors, so each one is tested against hand-computed
-values in tests/test_ppo_math.py.
+plain numbers and returns tensors created on the device of its inputs, so each one is
+tested against hand-computed values (tests/test_rl_math.py) and runs unchanged on a GPU.
 
-Shapes: B is the number of episodes, T the number of completion tokens (right
-padded). `mask` is 1.0 on real completion tokens and 0.0 on padding; values at
-padded positions never change a result.
+Shapes: B is the number of episodes, T the number of completion tokens (right padded).
+`mask` is 1.0 on real completion tokens and 0.0 on padding; values at padded positions
+never change a result. `group` (B,) holds each episode's group index: the samples of
+one prompt share it (group estimators compare them).
 """
 
 from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k3")
+# ---------------------------------------------------------------- masked reductions
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Returns the sum of `x` over positions where `mask` is 1 (padding may hold NaN)."""
-    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum()
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Returns the sum of `x` where `mask` is 1 (all of it, or along `dim`); padding may
+    hold NaN or inf."""
+    kept = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, token_count: float | None = None
+    x: torch.Tensor, mask: torch.Tensor, denominator: float | torch.Tensor | None = None
 ) -> torch.Tensor:
     """Returns the mean of `x` over unmasked positions.
 
-    `token_count` overrides the denominator: gradient accumulation passes the
-    token count of the whole mini-batch so that micro-batch losses add up to
-    exactly the mini-batch loss.
+    `denominator` overrides the count: gradient accumulation passes the token count of
+    the whole mini-batch so that micro-batch losses add up to exactly its loss.
     """
-    denominator = mask.sum() if token_count is None else torch.tensor(float(token_count))
-    return masked_sum(x, mask) / denominator.clamp(min=1.0)
+    count = mask.sum() if denominator is None else torch.as_tensor(denominator, dtype=x.dtype)
+    return masked_sum(x, mask) / count.to(x.device).clamp(min=1.0)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -40,6 +43,41 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     centered = torch.where(mask.bool(), x - mean, torch.zeros_like(x))
     var = masked_mean(centered**2, mask)
     return centered * torch.rsqrt(var + eps)
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Returns the (B,) mean of `x` over each row's unmasked positions (0 for empty rows)."""
+    return masked_sum(x, mask, dim=1) / mask.sum(dim=1).clamp(min=1.0)
+
+
+# ---------------------------------------------------------------- rewards and returns
+
+
+def token_rewards(
+    final_reward: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Returns (B, T) per-token rewards: -kl_coef * kl on every real token, plus the
+    episode's (B,) reward on its last real token."""
+    rewards = torch.where(mask.bool(), -kl_coef * kl, torch.zeros_like(kl))
+    lengths = mask.sum(dim=1)
+    last = (lengths.long() - 1).clamp(min=0)  # (B,)
+    final = torch.where(lengths > 0, final_reward.to(rewards.dtype), torch.zeros_like(lengths))
+    return rewards.scatter_add(1, last[:, None], final[:, None])
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Returns (B, T) reward-to-go G_t = sum_{k >= t} gamma^(k - t) r_k over real tokens."""
+    keep = mask.bool()
+    rewards = torch.where(keep, rewards, torch.zeros_like(rewards))
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return torch.where(keep, returns, torch.zeros_like(returns))
+
+
+# ---------------------------------------------------------------- advantage estimators
 
 
 def gae(
@@ -55,11 +93,10 @@ def gae(
     keep = mask.bool()
     rewards = torch.where(keep, rewards, torch.zeros_like(rewards))
     values = torch.where(keep, values, torch.zeros_like(values))
-    batch, steps = rewards.shape
     advantages = torch.zeros_like(rewards)
-    running = torch.zeros(batch, dtype=rewards.dtype)
-    next_value = torch.zeros(batch, dtype=rewards.dtype)
-    for t in reversed(range(steps)):
+    running = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         running = torch.where(keep[:, t], delta + gamma * lam * running, torch.zeros_like(running))
         advantages[:, t] = running
@@ -68,51 +105,207 @@ def gae(
     return advantages, returns
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Returns a per-token estimate of KL(policy || reference) from sampled-token logprobs.
-
-    k1 = log p - log q (unbiased, can be negative); k3 = (q/p) - 1 - log(q/p)
-    (unbiased and always >= 0). Both from http://joschu.net/blog/kl-approx.html.
-    """
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+def group_mean(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) the mean score of each episode's group."""
+    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))
+    total = torch.zeros_like(scores).index_add_(0, group, scores)
+    return (total / count.clamp(min=1.0))[group]
 
 
-def token_rewards(
-    final_reward: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+def group_std(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) the unbiased (n - 1) standard deviation of each episode's group; 0 for
+    groups of one."""
+    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))
+    squares = (scores - group_mean(scores, group)) ** 2
+    total = torch.zeros_like(scores).index_add_(0, group, squares)
+    return (total / (count - 1.0).clamp(min=1.0)).sqrt()[group]
+
+
+def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Returns (B,) GRPO advantages A_i = (r_i - mean_g) / (std_g + eps), mean and
+    unbiased std over the episode's group g.
+    (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300, sec. 4.1.2.)"""
+    return (scores - group_mean(scores, group)) / (group_std(scores, group) + eps)
+
+
+def dr_grpo_advantages(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) Dr. GRPO advantages A_i = r_i - mean_g: GRPO without the std division,
+    which over-weights groups that are nearly all right or all wrong.
+    (Liu et al. 2025, Understanding R1-Zero-Like Training, https://arxiv.org/abs/2503.20783.)"""
+    return scores - group_mean(scores, group)
+
+
+def rloo_advantages(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) REINFORCE leave-one-out advantages A_i = r_i - mean_{j != i} r_j
+    = n / (n - 1) * (r_i - mean_g) over the episode's group of n; 0 for groups of one.
+    (Ahmadian et al. 2024, Back to Basics, https://arxiv.org/abs/2402.14740, eq. 4.)"""
+    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))[group]
+    scale = torch.where(count > 1, count / (count - 1.0).clamp(min=1.0), torch.zeros_like(count))
+    return scale * (scores - group_mean(scores, group))
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """Returns (B, T) per-token rewards: -kl_coef * kl everywhere, plus the episode's
-    reward on its last real token."""
-    rewards = torch.where(mask.bool(), -kl_coef * kl, torch.zeros_like(kl))
-    last = (mask.sum(dim=1).long() - 1).clamp(min=0)  # (B,)
-    rows = torch.arange(rewards.shape[0])
-    rewards[rows, last] += final_reward * (mask.sum(dim=1) > 0)
-    return rewards
+    """Returns (B, T) REINFORCE++ advantages: the discounted reward-to-go of the per-token
+    rewards (KL penalty included), whitened over every real token of the batch.
+    (Hu 2025, REINFORCE++, https://arxiv.org/abs/2501.03262, eq. 6-8.)"""
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
 
 
-def policy_loss(
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Returns (B, T) REINFORCE++-baseline advantages: r_i - mean_g on every token of the
+    episode, then whitened over every real token of the batch (the group mean removes
+    the prompt's difficulty; the batch statistics set the scale).
+    (Hu 2025, REINFORCE++, https://arxiv.org/abs/2501.03262, sec. 3.2.)"""
+    centered = dr_grpo_advantages(scores, group)
+    return masked_whiten(centered[:, None].expand_as(mask), mask)
+
+
+# ---------------------------------------------------------------- policy losses
+
+
+def ppo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (B, T) PPO clipped-surrogate losses and where the clip was active.
+
+    loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)), r_t = exp(logp - old_logp)
+    (Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7; the separate upper
+    clip is DAPO's clip-higher, Yu et al. 2025, https://arxiv.org/abs/2503.14476.)
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def gspo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip: float,
-    token_count: float | None = None,
+    clip_low: float,
+    clip_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (loss, clip_fraction) of the PPO clipped surrogate objective.
+    """Returns (B, T) GSPO losses and where the clip was active.
 
-    loss = mean_t max(-A_t * r_t, -A_t * clip(r_t, 1 - clip, 1 + clip)), r_t = exp(logp - old_logp)
-    (Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7).
+    The ratio is the sequence's: s_i = exp(mean_t (logp - old_logp)), the geometric mean
+    of its token ratios, clipped to [1 - clip_low, 1 + clip_high] like PPO's. As GSPO-token,
+    each token carries s_i's value with its own logprob's gradient,
+    s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], so advantages may vary along the sequence.
+    (Zheng et al. 2025, Group Sequence Policy Optimization, https://arxiv.org/abs/2507.18071,
+    eq. 7 and 11.)
     """
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = sequence_mean(logp - old_logp, mask).detach()  # (B,)
+    # Added last so that the value is exactly the sequence ratio (no round-off).
+    token_log_ratio = logp - logp.detach() + log_ratio[:, None]
+    ratio = torch.exp(token_log_ratio.clamp(max=20.0))
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, token_count)
-    clip_fraction = masked_mean((clipped > unclipped).float(), mask).detach()
-    return loss, clip_fraction
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def cispo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (B, T) CISPO losses and where the weight was truncated.
+
+    loss_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A_t * logp_t: REINFORCE with a
+    truncated importance weight, so clipped tokens still give a gradient (PPO's give none).
+    (MiniMax 2025, MiniMax-M1, https://arxiv.org/abs/2506.13585, eq. 4-5.)
+    """
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logp, weight != ratio
+
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+
+
+def policy_token_loss(
+    kind: str,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (B, T) losses and clip indicators of the policy loss named `kind`."""
+    if kind == "ppo":
+        return ppo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
+    if kind == "gspo":
+        return gspo_token_loss(logp, old_logp, advantages, mask, clip_low, clip_high)
+    if kind == "cispo":
+        return cispo_token_loss(logp, old_logp, advantages, clip_low, clip_high)
+    raise ValueError(f"unknown policy loss {kind!r}; expected one of {POLICY_LOSSES}")
+
+
+# ---------------------------------------------------------------- loss aggregation
+
+LOSS_AGGREGATIONS = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
+
+
+def aggregate(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    total_tokens: float | None = None,
+    total_sequences: float | None = None,
+    max_length: float | None = None,
+) -> torch.Tensor:
+    """Returns the scalar loss of (B, T) token losses under aggregation `mode`:
+
+    token_mean               sum_i,t l_i,t / N_tokens               (every token alike)
+    seq_mean_token_mean      sum_i (sum_t l_i,t / |y_i|) / N_seq     (every sequence alike)
+    seq_mean_token_sum       sum_i sum_t l_i,t / N_seq
+    seq_mean_token_sum_norm  sum_i sum_t l_i,t / (N_seq * max_length)  (Dr. GRPO: no
+                             length bias, https://arxiv.org/abs/2503.20783, eq. 3)
+
+    N_tokens and N_seq are `total_tokens` and `total_sequences` when given (a micro-batch
+    passes its mini-batch's, so micro-batch losses add up to the mini-batch loss), else
+    this batch's real tokens and the sequences with at least one real token.
+    """
+    if total_tokens is None:
+        total_tokens = mask.sum()
+    if total_sequences is None:
+        total_sequences = (mask.sum(dim=1) > 0).sum()
+    if mode == "token_mean":
+        return masked_sum(token_loss, mask) / _at_least_one(total_tokens, token_loss)
+    if mode == "seq_mean_token_mean":
+        per_sequence = sequence_mean(token_loss, mask)
+        return per_sequence.sum() / _at_least_one(total_sequences, token_loss)
+    if mode == "seq_mean_token_sum":
+        return masked_sum(token_loss, mask) / _at_least_one(total_sequences, token_loss)
+    if mode == "seq_mean_token_sum_norm":
+        if max_length is None:
+            raise ValueError("seq_mean_token_sum_norm needs max_length")
+        sequences = _at_least_one(total_sequences, token_loss)
+        return masked_sum(token_loss, mask) / (sequences * max_length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGGREGATIONS}")
+
+
+def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(count, dtype=like.dtype).to(like.device).clamp(min=1.0)
+
+
+# ---------------------------------------------------------------- value loss, KL, entropy
 
 
 def value_loss(
@@ -121,16 +314,46 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float,
-    token_count: float | None = None,
+    total_tokens: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (loss, clip_fraction) of the clipped value loss
     0.5 * mean_t max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), mask, token_count)
-    clip_fraction = masked_mean((clipped_error > unclipped_error).float(), mask).detach()
+    worse = torch.maximum(unclipped_error, clipped_error)
+    loss = 0.5 * masked_mean(worse, mask, total_tokens)
+    clipped = (clipped_error > unclipped_error).to(values.dtype)
+    clip_fraction = masked_mean(clipped, mask, total_tokens).detach()
     return loss, clip_fraction
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Returns a per-token estimate of KL(policy || reference) from sampled-token logprobs,
+    with log r = logp - ref_logp (http://joschu.net/blog/kl-approx.html):
+
+    k1 = log r           unbiased, can be negative; as a loss its gradient is 0 in expectation
+    k2 = (log r)^2 / 2   biased, low variance; as a loss its gradient is the KL's gradient
+    k3 = (1/r) - 1 + log r   unbiased and always >= 0
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Returns the (B, T) logprobs of `tokens` (B, T) under (B, T, V) logits, without
+    materialising a second (B, T, V) tensor of log-softmax values."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -139,16 +362,62 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Returns the (B, T) logprobs of `tokens` (B, T) under (B, T, V) logits."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """Returns 1 - Var[R - V] / Var[R] over unmasked positions (1 is perfect, <= 0 is useless)."""
+    """Returns 1 - Var[R - V] / Var[R] over unmasked positions (1 is perfect, <= 0 is
+    useless; NaN when the returns do not vary)."""
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     residual = returns - values
     var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
     if var_returns.item() == 0.0:
         return float("nan")
     return float(1.0 - var_residual / var_returns)
+
+
+# ---------------------------------------------------------------- rollout correction
+
+ROLLOUT_CORRECTIONS = ("token", "sequence", "off")
+
+
+def rollout_correction_weights(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str, clip: float
+) -> torch.Tensor:
+    """Returns (B, T) truncated importance weights from the sampling policy (vLLM's
+    logprobs, `rollout_logp`) to the learner's policy before the update (`old_logp`):
+
+    token     w_t = min(exp(old_t - rollout_t), clip)
+    sequence  w_t = min(exp(sum_t (old_t - rollout_t)), clip) on every token of the sequence
+    off       w_t = 1
+
+    Detached: a weight, not a path for gradients. It corrects both an engine mismatch
+    (bf16 kernels differ from the learner's) and staleness (a policy K versions old).
+    (Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training, https://fengyao.notion.site/off-policy-rl; Espeholt et al. 2018, IMPALA's
+    truncated importance sampling, https://arxiv.org/abs/1802.01561.)
+    """
+    log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, torch.zeros_like(old_logp))
+    if level == "token":
+        weights = torch.exp(log_ratio.clamp(max=20.0))
+    elif level == "sequence":
+        weights = torch.exp(log_ratio.sum(dim=1, keepdim=True).clamp(max=20.0)).expand_as(mask)
+    elif level == "off":
+        return torch.ones_like(old_logp)
+    else:
+        raise ValueError(
+            f"unknown rollout correction {level!r}; expected one of {ROLLOUT_CORRECTIONS}"
+        )
+    return weights.clamp(max=clip).detach()
+
+
+def logprob_mismatch(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Returns how far vLLM's logprobs are from the learner's over unmasked tokens: the
+    mean and max absolute difference, and the share of tokens whose ratio
+    exp(old - rollout) lies outside [0.5, 2]."""
+    gap = torch.where(mask.bool(), (old_logp - rollout_logp).abs(), torch.zeros_like(old_logp))
+    far = (gap > torch.log(torch.tensor(2.0, dtype=gap.dtype, device=gap.device))).to(gap.dtype)
+    return {
+        "mean": masked_mean(gap, mask),
+        "max": gap.max() if gap.numel() else gap.sum(),
+        "outside_share": masked_mean(far, mask),
+    }

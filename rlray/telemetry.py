@@ -25,6 +25,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "rlray_episodes_generated": ("counter", "Episodes generated", RUN_WORKER),
     "rlray_episodes_scored": ("counter", "Episodes scored", RUN_WORKER),
+    "rlray_uniform_groups_dropped": (
+        "counter",
+        "Groups left out because all their samples got the same reward (dynamic sampling)",
+        RUN_WORKER,
+    ),
     "rlray_buffer_depth": ("gauge", "Episodes held by the buffer", RUN),
     # A gauge holding the running total, not a counter: Ray exports a counter only once
     # incremented, and a run that drops nothing should show 0, not no data.
@@ -38,6 +43,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rlray_logprob_parity_error": (
         "gauge",
         "Largest |vLLM - learner| logprob of fresh episodes at the last step",
+        RUN,
+    ),
+    "rlray_rollout_logprob_diff_mean": (
+        "gauge",
+        "Mean |vLLM - learner| logprob of the last step's tokens (mismatch plus staleness)",
         RUN,
     ),
 }

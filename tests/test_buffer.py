@@ -29,8 +29,18 @@ def test_reservations_count_against_capacity():
 
 def test_add_without_reservation_is_refused():
     buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
-    with pytest.raises(OverflowError, match="without a reservation"):
+    with pytest.raises(OverflowError, match="against a reservation of 4"):
         buffer.add(batch(0))
+
+
+def test_a_batch_thinned_by_dynamic_sampling_gives_back_its_whole_reservation():
+    buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
+    assert buffer.reserve(4) and buffer.reserve(4)
+    buffer.add(batch(0, size=1, batch_id=0), reserved=4)  # 3 of 4 episodes split off
+    buffer.add(batch(0, size=0, batch_id=1), reserved=4)  # every group uniform
+    assert buffer.stats()["buffer_reserved"] == 0
+    assert buffer.stats()["buffer_depth"] == 1
+    assert buffer.take(1, learner_version=0).batches[0].batch_id == 0
 
 
 def test_take_returns_oldest_batches_and_waits_for_enough():

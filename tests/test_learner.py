@@ -1,15 +1,22 @@
-"""The Learner in-process on the embedded tiny model: the PPO step moves probability
-toward rewarded completions, and a checkpoint restores everything a run needs."""
+"""The Learner in-process on the embedded tiny model: every estimator and policy loss
+moves probability toward rewarded completions, the critic learns, a loss-mode KL pulls
+toward the reference, micro-batches change nothing, bfloat16 keeps float32 masters,
+groups arrive whole, and a checkpoint restores everything a run needs."""
 
 from __future__ import annotations
+
+import typing
 
 import pytest
 import torch
 
-from rlray.config import Config
+from rlray.config import Advantage, Config, PolicyLoss
+from rlray.engine import collate
 from rlray.episode import Episode
-from rlray.learner import Learner, collate, latest_checkpoint
+from rlray.learner import Learner, latest_checkpoint
 from rlray.models import resolve_model_path
+
+PROMPT = "12+34="
 
 
 @pytest.fixture(scope="module")
@@ -17,36 +24,44 @@ def model_path() -> str:
     return resolve_model_path(Config().model.path)
 
 
-def make_learner(model_path: str, checkpoint: str | None = None) -> Learner:
+def make_learner(model_path: str, checkpoint: str | None = None, **changes) -> Learner:
+    """Returns a learner of 4-episode steps; `changes` set config fields by dotted name."""
     config = Config()
     # Adam moves every weight by about lr on its first steps; a tiny model needs a small lr.
     config.learner.lr = 1e-5
     config.learner.episodes_per_step = 4
     config.learner.minibatch_size = config.learner.micro_batch_size = 4
+    for dotted, value in changes.items():
+        section, name = dotted.split("__")
+        setattr(getattr(config, section), name, value)
     return Learner(
         model_path,
         config.model,
         config.algorithm,
         config.learner,
+        max_new_tokens=config.rollout.max_new_tokens,
+        samples_per_prompt=4,
         temperature=1.0,
         seed=0,
         checkpoint=checkpoint,
     )
 
 
-def episodes_for(learner: Learner, completions: dict[str, float]) -> list[Episode]:
-    """Episodes of the prompt 12+34= with the given completions and rewards, carrying the
+def episodes_for(
+    learner: Learner, completions: dict[str, float], prompt: str = PROMPT, prompt_index: int = 0
+) -> list[Episode]:
+    """Episodes of one prompt with the given completions and rewards, carrying the
     learner's own logprobs as rollout logprobs (as after an exact weight sync)."""
     tok = learner.tokenizer
-    prompt_ids = tok("12+34=").input_ids
+    prompt_ids = tok(prompt).input_ids
     ids = {text: [*tok(text).input_ids, tok.eos_token_id] for text in completions}
     episodes = [
         Episode(
             run_id="t",
-            episode_id=f"t-0-{i}",
-            prompt_index=0,
+            episode_id=f"t-{prompt_index}-{i}",
+            prompt_index=prompt_index,
             sample_index=i,
-            prompt="12+34=",
+            prompt=prompt,
             completion=text,
             prompt_token_ids=prompt_ids,
             completion_token_ids=ids[text],
@@ -67,19 +82,148 @@ def sequence_logprob(learner: Learner, episodes: list[Episode]) -> list[float]:
     return [sum(lp) for lp in learner.logprobs(episodes)]
 
 
-def test_ppo_step_moves_probability_toward_rewarded_completions(model_path):
-    learner = make_learner(model_path)
-    rewards = {"46": 1.0, "57": 0.0, "35": 0.0, "68": 0.0}  # no shared first digit
-    before = sequence_logprob(learner, episodes_for(learner, rewards))
-    for _ in range(3):
-        metrics = learner.train_step(episodes_for(learner, rewards))
+REWARDS = {"46": 1.0, "57": 0.0, "35": 0.0, "68": 0.0}  # no shared first digit
+
+
+def assert_moves_toward_rewarded(learner: Learner, steps: int = 3, gain: float = 0.3) -> None:
+    before = sequence_logprob(learner, episodes_for(learner, REWARDS))
+    for _ in range(steps):
+        metrics = learner.train_step(episodes_for(learner, REWARDS))
         assert metrics.logprob_parity_error is not None and metrics.logprob_parity_error < 1e-5
-    after = sequence_logprob(learner, episodes_for(learner, rewards))
-    assert after[0] > before[0] + 0.3
+    after = sequence_logprob(learner, episodes_for(learner, REWARDS))
+    assert after[0] > before[0] + gain
     # The unrewarded ones lose probability mass together (one unlikely one may still
     # rise through what it shares with the rewarded one).
-    assert torch.tensor(after[1:]).logsumexp(0) < torch.tensor(before[1:]).logsumexp(0) - 0.3
-    assert learner.version == 3
+    assert torch.tensor(after[1:]).logsumexp(0) < torch.tensor(before[1:]).logsumexp(0) - gain
+    assert learner.version == steps
+
+
+@pytest.mark.parametrize("advantage", typing.get_args(Advantage))
+def test_every_estimator_moves_probability_toward_rewarded_completions(model_path, advantage):
+    # reinforce_pp whitens over the batch: with one rewarded episode of four its
+    # advantages keep the same sign pattern as the group estimators'.
+    learner = make_learner(model_path, algorithm__advantage=advantage)
+    assert (learner.engine.critic is not None) == (advantage == "gae")
+    assert_moves_toward_rewarded(learner)
+
+
+@pytest.mark.parametrize("loss", typing.get_args(PolicyLoss))
+def test_every_policy_loss_moves_probability_toward_rewarded_completions(model_path, loss):
+    learner = make_learner(model_path, algorithm__advantage="grpo", algorithm__policy_loss=loss)
+    # GSPO clips its sequence ratio at 1 +- 4e-4: after the first mini-batch it moves
+    # little more within a step, so it moves less in three steps.
+    assert_moves_toward_rewarded(learner, gain=0.1 if loss == "gspo" else 0.3)
+
+
+def test_no_critic_and_no_reference_unless_the_algorithm_needs_them(model_path):
+    learner = make_learner(model_path, algorithm__advantage="rloo", algorithm__kl_coef=0.0)
+    assert learner.engine.critic is None and learner.engine.reference is None
+    metrics = learner.train_step(episodes_for(learner, REWARDS))
+    assert metrics.value_loss is None and metrics.explained_variance is None
+    assert metrics.kl is None
+
+
+def test_critic_learns_a_reward_that_depends_on_the_prompt(model_path):
+    # Prompt A's completions always earn 1, prompt B's never: a baseline that only knows
+    # the mean explains none of it; a critic that reads the prompt explains it all.
+    learner = make_learner(
+        model_path,
+        algorithm__kl_coef=0.0,
+        learner__episodes_per_step=8,
+        learner__minibatch_size=8,
+        learner__micro_batch_size=8,
+    )
+    completions = ["46", "57", "35", "68"]
+    history = []
+    for _ in range(30):
+        batch = episodes_for(learner, dict.fromkeys(completions, 1.0), "12+34=", 0)
+        batch += episodes_for(learner, dict.fromkeys(completions, 0.0), "21+43=", 1)
+        history.append(learner.train_step(batch).explained_variance)
+    assert abs(history[0]) < 0.05  # the value head starts at 0
+    assert max(history[-5:]) > 0.8, history
+
+
+def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path):
+    # Every completion gets the same reward: advantages are 0 and only the KL term moves
+    # the policy. Push the policy away from the reference first.
+    learner = make_learner(
+        model_path,
+        algorithm__advantage="grpo",
+        algorithm__kl_mode="loss",
+        algorithm__kl_estimator="k3",
+        algorithm__kl_coef=1.0,
+        learner__lr=1e-3,
+    )
+    with torch.no_grad():
+        for parameter in learner.engine.policy.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    same = dict.fromkeys(REWARDS, 1.0)
+    first = learner.train_step(episodes_for(learner, same))
+    for _ in range(8):
+        last = learner.train_step(episodes_for(learner, same))
+    assert first.advantage_abs_mean == 0.0
+    assert first.kl > 0.01
+    assert last.kl < 0.5 * first.kl, (first.kl, last.kl)
+
+
+def test_two_micro_batches_give_the_same_update_as_one(model_path):
+    one = make_learner(model_path, algorithm__advantage="grpo", learner__micro_batch_size=4)
+    two = make_learner(model_path, algorithm__advantage="grpo", learner__micro_batch_size=2)
+    episodes = {"46": 1.0, "4": 0.0, "4600": 0.0, "57": 0.5}  # unequal lengths
+    one.train_step(episodes_for(one, episodes))
+    two.train_step(episodes_for(two, episodes))
+    for (name, a), b in zip(
+        one.engine.policy.state_dict().items(),
+        two.engine.policy.state_dict().values(),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_group_split_across_steps_is_refused(model_path):
+    learner = make_learner(model_path, algorithm__advantage="grpo")
+    three_of_four = episodes_for(learner, REWARDS)[:3]
+    with pytest.raises(ValueError, match="prompt 0 reached the learner with 3 of its 4 samples"):
+        learner.train_step(three_of_four)
+
+
+def test_stale_and_posted_episodes_are_corrected_and_counted(model_path):
+    learner = make_learner(model_path, algorithm__advantage="grpo")
+    episodes = episodes_for(learner, REWARDS)
+    # vLLM's logprobs 0.5 above the learner's on one episode (a stale policy), unknown on
+    # a posted one: the first is weighted exp(-0.5), the second trained at ratio 1.
+    stale, posted = episodes[0], episodes[1]
+    stale.rollout_logprobs = [lp + 0.5 for lp in stale.rollout_logprobs]
+    stale.policy_version = posted.policy_version = -1
+    posted.rollout_logprobs = []
+    metrics = learner.train_step(episodes)
+    assert metrics.episodes_without_logprobs == 1
+    tokens = [len(e.completion_token_ids) for e in episodes]
+    known_tokens = sum(tokens) - tokens[1]
+    assert metrics.rollout_logprob_diff_max == pytest.approx(0.5, abs=1e-5)
+    assert metrics.rollout_logprob_diff_mean == pytest.approx(0.5 * tokens[0] / known_tokens)
+    weight = (tokens[0] * torch.exp(torch.tensor(-0.5)).item() + sum(tokens[1:])) / sum(tokens)
+    assert metrics.rollout_correction_weight_mean == pytest.approx(weight, rel=1e-5)
+    assert metrics.logprob_parity_error < 1e-5  # from the fresh episodes only
+
+
+def test_bfloat16_trains_with_float32_master_weights(model_path):
+    learner = make_learner(model_path, model__dtype="bfloat16", algorithm__advantage="grpo")
+    reference = make_learner(model_path, algorithm__advantage="grpo")
+    episodes = episodes_for(reference, REWARDS)
+    # bf16 arithmetic against fp32: the logprobs of the same weights differ a little.
+    gap = max(
+        abs(a - b)
+        for x, y in zip(learner.logprobs(episodes), reference.logprobs(episodes), strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
+    assert 0 < gap < 0.05
+    assert_moves_toward_rewarded(learner)
+    assert all(p.dtype == torch.float32 for p in learner.engine.policy.parameters())
+    state = learner.engine.optimizer.state_dict()["state"]
+    assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
+    published = learner.published_weights()
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
 
 
 def test_padding_in_a_batch_changes_no_logprob(model_path):
@@ -88,7 +232,11 @@ def test_padding_in_a_batch_changes_no_logprob(model_path):
     together = learner.logprobs([short, long])[0]
     alone = learner.logprobs([short])[0]
     torch.testing.assert_close(torch.tensor(together), torch.tensor(alone), atol=1e-5, rtol=0)
-    batch = collate([short, long], learner.pad_token_id)
+    batch = collate(
+        [short.prompt_token_ids, long.prompt_token_ids],
+        [short.completion_token_ids, long.completion_token_ids],
+        learner.pad_token_id,
+    )
     assert batch.mask.sum(dim=1).tolist() == [2.0, 6.0]
 
 
@@ -100,12 +248,14 @@ def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, tm
     restored = make_learner(model_path, checkpoint=str(saved))
     assert restored.state() == {"version": 1, "prompt_cursor": 1234}
     for (name, a), b in zip(
-        learner.policy.state_dict().items(), restored.policy.state_dict().values(), strict=True
+        learner.engine.policy.state_dict().items(),
+        restored.engine.policy.state_dict().values(),
+        strict=True,
     ):
         assert torch.equal(a, b), name
-    assert torch.equal(learner.critic.head.weight, restored.critic.head.weight)
-    original = learner.optimizer.state_dict()["state"]
-    loaded = restored.optimizer.state_dict()["state"]
+    assert torch.equal(learner.engine.critic.head.weight, restored.engine.critic.head.weight)
+    original = learner.engine.optimizer.state_dict()["state"]
+    loaded = restored.engine.optimizer.state_dict()["state"]
     assert original.keys() == loaded.keys()
     assert all(torch.equal(original[k]["exp_avg"], loaded[k]["exp_avg"]) for k in original)
     # The next step is the same step either way.

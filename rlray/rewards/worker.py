@@ -17,6 +17,7 @@ from typing import Any
 
 from rlray.config import RewardSpec
 from rlray.episode import Episode
+from rlray.groups import group_key, split_uniform_groups
 from rlray.rewards.loading import LoadedReward, accepted_columns, load_reward
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class ScoreStats:
     """Episodes each component failed on."""
     dropped: int = 0
     """Episodes left without a reward (not trained on) under on_failure=drop_episode."""
+    uniform_groups: int = 0
+    """Groups split off because all their samples got the same reward (dynamic sampling)."""
+    uniform_episodes: int = 0
 
 
 @dataclass
@@ -83,6 +87,18 @@ class RewardWorker:
             self.name, len(episodes), total, time.perf_counter() - started, failures, dropped
         )
         return episodes, stats
+
+    def score_and_split(
+        self, episodes: list[Episode], step: int = 0
+    ) -> tuple[list[Episode], list[Episode], ScoreStats]:
+        """Returns (episodes of groups whose rewards differ, episodes of uniform groups,
+        stats): DAPO's dynamic sampling, done where the rewards are known so that the
+        uniform groups can go straight to the store."""
+        scored, stats = self.score(episodes, step)
+        kept, uniform = split_uniform_groups(scored)
+        stats.uniform_groups = len({group_key(e) for e in uniform})
+        stats.uniform_episodes = len(uniform)
+        return kept, uniform, stats
 
     def _set_total(self, episode: Episode, step: int) -> bool:
         """Sets the weighted total; returns True if the episode is dropped instead."""

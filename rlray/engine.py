@@ -1,0 +1,344 @@
+"""The training engine: models, devices, forward passes, micro-batches, the optimizer,
+checkpoints and the weights the rollout workers load.
+
+An `Engine` holds the policy (fp32 master weights), and when asked a frozen reference
+model and a critic (a trunk of the starting model plus a linear value head). It knows
+nothing of advantages or losses: `train` runs epochs of mini-batches of micro-batches
+and asks a loss function (the algorithm's, through the learner) for each micro-batch's
+loss. A later multi-device engine replaces this class behind the same methods.
+
+Memory: logits are computed only at the completion positions (prompts are left-padded
+so that every completion starts at the same column and `logits_to_keep` cuts the rest),
+for at most `micro_batch_size` rows at a time; the entropy graph is built only when the
+entropy enters the loss.
+
+bfloat16: weights and optimizer state stay float32; forward and backward passes run
+under autocast in bfloat16, and the rollout workers get bfloat16 copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlray import rl_math as rm
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ValueModel(nn.Module):
+    """Critic: the base transformer of the starting model plus a linear value head."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state[:, -keep:]
+        return self.head(hidden).squeeze(-1)  # (B, keep)
+
+
+@dataclass
+class TokenBatch:
+    """Episodes as tensors. Prompts are left-padded and completions right-padded, so every
+    completion starts at column P (the longest prompt): L = P + T columns in all."""
+
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    position_ids: torch.Tensor  # (B, L) 0 at each row's first real token
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) 1.0 on real completion tokens
+
+    def rows(self, index: torch.Tensor) -> TokenBatch:
+        """Returns the sub-batch of the given rows."""
+        return TokenBatch(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def completion_columns(self) -> int:
+        return self.completion_ids.shape[1]
+
+
+def collate(
+    prompts: list[list[int]], completions: list[list[int]], pad_token_id: int
+) -> TokenBatch:
+    """Returns prompt and completion token ids as a TokenBatch."""
+    width_prompt = max(len(p) for p in prompts)
+    width_completion = max(max((len(c) for c in completions), default=0), 1)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width_prompt + width_completion), pad_token_id)
+    attention = torch.zeros(batch, width_prompt + width_completion, dtype=torch.long)
+    completion_ids = torch.full((batch, width_completion), pad_token_id)
+    mask = torch.zeros(batch, width_completion)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        start = width_prompt - len(p)
+        input_ids[i, start : width_prompt + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attention[i, start : width_prompt + len(c)] = 1
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, : len(c)] = 1.0
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return TokenBatch(input_ids, attention, position_ids, completion_ids, mask)
+
+
+@dataclass
+class Outputs:
+    """Per-token outputs of a forward pass over a batch's completion tokens, (B, T) each."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass
+class MiniBatchTotals:
+    """Counts of a whole mini-batch, which each micro-batch's loss is divided by."""
+
+    tokens: float
+    sequences: float
+
+
+LossFn = Callable[[Outputs, torch.Tensor, MiniBatchTotals], tuple[torch.Tensor, dict[str, float]]]
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Sets every dropout probability to 0: the ratio of two forward passes must not be
+    noise, and vLLM samples without dropout."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
+        if config is not None and isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+class Engine:
+    """Owns the models, the optimizer and the device; runs forward passes and updates."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        lr: float = 1e-5,
+        critic_lr: float = 1e-4,
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 64,
+        temperature: float = 1.0,
+        with_reference: bool = False,
+        with_critic: bool = False,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        checkpoint: str | Path | None = None,
+    ):
+        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # checkpoint saves would print a bar each
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {dtype!r}: expected one of {list(COMPUTE_DTYPES)}")
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.compute_dtype = COMPUTE_DTYPES[dtype]
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        policy_path = f"{checkpoint}/policy" if checkpoint else model_path
+        # Master weights in float32 whatever the compute dtype.
+        self.policy = self._load(AutoModelForCausalLM, policy_path, gradient_checkpointing)
+        self.reference = None
+        if with_reference:
+            # float32 like the policy, so that KL is exactly 0 before the first update.
+            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.reference.to(self.device).requires_grad_(False).eval()
+        self.critic = None
+        groups = [{"params": list(self.policy.parameters()), "lr": lr}]
+        if with_critic:
+            # A checkpoint of a run without a critic (another estimator) has none to load.
+            has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
+            trunk_path = f"{checkpoint}/critic" if has_critic else model_path
+            trunk = self._load(AutoModel, trunk_path, gradient_checkpointing)
+            self.critic = ValueModel(trunk, self.policy.config.hidden_size).to(self.device)
+            groups.append({"params": list(self.critic.parameters()), "lr": critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        self.shuffle = torch.Generator().manual_seed(seed)
+        if checkpoint:
+            self._load_state(Path(checkpoint))
+
+    def _load(self, auto_class: Any, path: str, gradient_checkpointing: bool) -> nn.Module:
+        model = auto_class.from_pretrained(path, dtype=torch.float32).to(self.device)
+        disable_dropout(model)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()  # gradient checkpointing acts in training mode only; no dropout left
+        return model
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype (float32 master weights, bfloat16 arithmetic)."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _completion_logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        """Returns (B, T, V) float32 logits at the positions that predict each completion
+        token, divided by the sampling temperature; no other position's logits exist."""
+        steps = batch.completion_columns
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=steps + 1,
+        ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
+        return logits.float() / self.temperature
+
+    def forward(self, batch: TokenBatch, entropy_grad: bool = False) -> Outputs:
+        """Returns the policy's logprobs and entropy (and the critic's values) of one
+        micro-batch, with gradients; entropy has one only if `entropy_grad`."""
+        with self._compute():
+            logits = self._completion_logits(self.policy, batch)
+            values = self._values(batch) if self.critic is not None else None
+        logp = rm.token_logprobs(logits, batch.completion_ids)
+        if entropy_grad:
+            entropy = rm.entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = rm.entropy_from_logits(logits)
+        return Outputs(logp, entropy, values)
+
+    def _values(self, batch: TokenBatch) -> torch.Tensor:
+        steps = batch.completion_columns
+        values = self.critic(
+            batch.input_ids, batch.attention_mask, batch.position_ids, keep=steps + 1
+        )
+        return values[:, :-1].float()  # (B, T): the state before each completion token
+
+    def score(self, batch: TokenBatch, with_values: bool = True) -> Outputs:
+        """Returns the policy's logprobs (and the critic's values) of every row, without
+        gradients, `micro_batch_size` rows at a time."""
+        parts = [self._score_rows(batch.rows(rows), with_values) for rows in self._chunks(batch)]
+        values = [p.values for p in parts]
+        return Outputs(
+            logp=torch.cat([p.logp for p in parts]),
+            values=torch.cat(values) if values[0] is not None else None,
+        )
+
+    @torch.no_grad()
+    def _score_rows(self, batch: TokenBatch, with_values: bool) -> Outputs:
+        with self._compute():
+            logits = self._completion_logits(self.policy, batch)
+            values = self._values(batch) if with_values and self.critic is not None else None
+        return Outputs(rm.token_logprobs(logits, batch.completion_ids), values=values)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
+        """Returns the reference model's (B, T) logprobs, or None if none is held."""
+        if self.reference is None:
+            return None
+        parts = []
+        for rows in self._chunks(batch):
+            micro = batch.rows(rows)
+            with self._compute():
+                logits = self._completion_logits(self.reference, micro)
+            parts.append(rm.token_logprobs(logits, micro.completion_ids))
+        return torch.cat(parts)
+
+    def _chunks(self, batch: TokenBatch) -> Iterator[torch.Tensor]:
+        index = torch.arange(batch.size, device=batch.input_ids.device)
+        yield from index.split(self.micro_batch_size)
+
+    # ------------------------------------------------------------------ updates
+
+    def train(
+        self,
+        batch: TokenBatch,
+        loss_mask: torch.Tensor,
+        loss_fn: LossFn,
+        epochs: int,
+        minibatch_size: int,
+        entropy_grad: bool = False,
+    ) -> list[dict[str, float]]:
+        """Runs `epochs` passes over the batch in shuffled mini-batches of about
+        `minibatch_size` rows, one optimizer update each; gradients accumulate over
+        micro-batches. `loss_fn(outputs, rows, totals)` returns a micro-batch's share of
+        its mini-batch's loss and metrics that add up over micro-batches. Returns each
+        update's summed metrics, with its gradient norm."""
+        updates = []
+        parts = max(1, round(batch.size / minibatch_size))
+        for _ in range(epochs):
+            order = torch.randperm(batch.size, generator=self.shuffle).to(self.device)
+            for minibatch in order.tensor_split(parts):
+                mask = loss_mask[minibatch]
+                totals = MiniBatchTotals(
+                    tokens=float(mask.sum()), sequences=float((mask.sum(dim=1) > 0).sum())
+                )
+                summed: dict[str, float] = {}
+                for rows in minibatch.split(self.micro_batch_size):
+                    outputs = self.forward(batch.rows(rows), entropy_grad)
+                    loss, metrics = loss_fn(outputs, rows, totals)
+                    loss.backward()
+                    for key, value in metrics.items():
+                        summed[key] = summed.get(key, 0.0) + value
+                summed["grad_norm"] = self._optimizer_step()
+                updates.append(summed)
+        return updates
+
+    def _optimizer_step(self) -> float:
+        norm = nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        if self.critic is not None:
+            nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def save(self, directory: Path, tokenizer: Any) -> None:
+        """Writes the policy (HF format, with the tokenizer), the critic, the optimizer and
+        the random states into `directory`."""
+        self.policy.save_pretrained(directory / "policy")
+        tokenizer.save_pretrained(directory / "policy")
+        if self.critic is not None:
+            self.critic.trunk.save_pretrained(directory / "critic")
+            torch.save(self.critic.head.state_dict(), directory / "critic" / "value_head.pt")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "shuffle_rng": self.shuffle.get_state(),
+                "torch_rng": torch.random.get_rng_state(),
+                "python_rng": random.getstate(),
+            },
+            directory / "trainer_state.pt",
+        )
+
+    def _load_state(self, checkpoint: Path) -> None:
+        head_path = checkpoint / "critic" / "value_head.pt"
+        if self.critic is not None and head_path.is_file():
+            self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        trainer = torch.load(
+            checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False
+        )
+        self.optimizer.load_state_dict(trainer["optimizer"])
+        self.shuffle.set_state(trainer["shuffle_rng"])
+        torch.random.set_rng_state(trainer["torch_rng"])
+        random.setstate(trainer["python_rng"])

@@ -1,0 +1,63 @@
+"""Groups of samples of one prompt: indexed in order, refused when split, and uniform
+groups split off for dynamic sampling with every episode accounted for."""
+
+import pytest
+
+from rlray.config import RewardSpec
+from rlray.episode import Episode
+from rlray.groups import check_whole_groups, group_indexes, split_uniform_groups
+from rlray.rewards import RewardWorker
+
+
+def episode(prompt_index: int, sample: int, reward: float | None, prompt: str = "") -> Episode:
+    return Episode(
+        run_id="r",
+        episode_id=f"r-{prompt_index}-{sample}",
+        prompt_index=prompt_index,
+        sample_index=sample,
+        prompt=prompt or f"{prompt_index}+1=",
+        completion=str(prompt_index + 1) if reward else "0",
+        prompt_token_ids=[1],
+        completion_token_ids=[2],
+        rollout_logprobs=[-0.1],
+        finish_reason="stop",
+        policy_version=0,
+        rollout_worker="rollout-0",
+        columns={"answer": str(prompt_index + 1)},
+        reward=reward,
+    )
+
+
+def test_group_indexes_follow_first_appearance_and_posted_prompts_group_by_text():
+    episodes = [episode(5, 0, 1), episode(3, 0, 1), episode(5, 1, 0)]
+    episodes += [episode(-1, 0, 1, "2+2="), episode(-1, 0, 0, "2+2="), episode(-1, 0, 1, "3+3=")]
+    assert group_indexes(episodes) == [0, 1, 0, 2, 2, 3]
+
+
+def test_split_groups_are_refused_and_posted_episodes_are_not_checked():
+    whole = [episode(0, s, 1.0) for s in range(4)] + [episode(-1, 0, 1.0, "x")]
+    check_whole_groups(whole, samples_per_prompt=4)
+    with pytest.raises(ValueError, match="prompt 0 reached the learner with 5 of its 4"):
+        check_whole_groups([*whole, episode(0, 4, 1.0)], samples_per_prompt=4)
+
+
+def test_uniform_groups_are_split_off_whole():
+    mixed = [episode(0, 0, 1.0), episode(0, 1, 0.0), episode(0, 2, None)]
+    all_right = [episode(1, 0, 1.0), episode(1, 1, 1.0), episode(1, 2, None)]
+    all_wrong = [episode(2, s, 0.0) for s in range(3)]
+    kept, uniform = split_uniform_groups([*all_right, *mixed, *all_wrong])
+    assert kept == mixed  # the unscored episode stays with its group
+    assert uniform == [*all_right, *all_wrong]
+
+
+def test_reward_worker_splits_uniform_groups_after_scoring():
+    worker = RewardWorker("reward-0", [RewardSpec(name="exact_match")])
+    right, wrong = "2", "0"
+    batch = [episode(1, 0, None), episode(1, 1, None), episode(2, 0, None), episode(2, 1, None)]
+    batch[0].completion, batch[1].completion = right, wrong  # prompt 1: 1+1=, mixed
+    batch[2].completion = batch[3].completion = wrong  # prompt 2: both wrong
+    kept, uniform, stats = worker.score_and_split(batch)
+    assert [e.episode_id for e in kept] == ["r-1-0", "r-1-1"]
+    assert [e.episode_id for e in uniform] == ["r-2-0", "r-2-1"]
+    assert (stats.uniform_groups, stats.uniform_episodes, stats.episodes) == (1, 2, 4)
+    assert [e.reward for e in kept] == [1.0, 0.0]
