@@ -84,8 +84,11 @@ def tiny_arithmetic_model() -> Path:
     """Returns the directory of the warm-started tiny model, building it on first use.
 
     Several processes (actors on one node) may ask at once: one builds under a file
-    lock, the others wait and reuse it. The build is seeded and deterministic, so nodes
-    that build their own copy get the same weights.
+    lock, the others wait and reuse it. The build is seeded, but float arithmetic differs
+    between CPU kinds and thread counts: a node of another kind builds a different copy
+    (measured: a 16-core GPU machine's copy gives other logprobs than this 2-core one's).
+    That is harmless in a run, since rollout workers load the learner's weights before
+    they generate.
     """
     key = hashlib.sha256(json.dumps(TINY_RECIPE, sort_keys=True).encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"tiny-arithmetic-{key}"

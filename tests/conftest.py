@@ -30,6 +30,20 @@ AWS_TEST_CREDENTIALS = {
 os.environ["RAY_AUTH_MODE"] = "token"
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="torch device of the learner and math tests (cpu here; cuda on a GPU machine)",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    """The torch device the learner and math tests run on (pytest --device cuda)."""
+    return request.config.getoption("--device")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -435,3 +435,42 @@ def test_every_function_makes_its_tensors_on_the_inputs_device():
     for estimator in rm.KL_ESTIMATORS:
         outputs.append(rm.kl_estimate(x, x, estimator))
     assert all(out.device == meta for out in outputs)
+
+
+def test_math_on_the_test_device_equals_the_math_on_the_cpu(device):
+    if device == "cpu":
+        pytest.skip("compares --device with the CPU: run with --device cuda on a GPU machine")
+    torch.manual_seed(5)
+    b, t = 6, 5
+    mask = (torch.rand(b, t) > 0.3).float()
+    inputs = {
+        "x": torch.randn(b, t),
+        "y": torch.randn(b, t) * 0.1,
+        "mask": mask,
+        "scores": torch.rand(b),
+        "group": torch.tensor([0, 0, 1, 1, 2, 2]),
+        "logits": torch.randn(b, t, 9),
+        "tokens": torch.randint(0, 9, (b, t)),
+    }
+
+    def run(v: dict) -> list[torch.Tensor]:
+        out = [
+            *rm.gae(v["x"], v["y"], v["mask"], 0.9, 0.95),
+            rm.grpo_advantages(v["scores"], v["group"]),
+            rm.rloo_advantages(v["scores"], v["group"]),
+            rm.reinforce_pp_baseline_advantages(v["scores"], v["group"], v["mask"]),
+            rm.token_logprobs(v["logits"], v["tokens"]),
+            rm.rollout_correction_weights(v["y"], v["x"] * 0.1, v["mask"], "sequence", 2.0),
+        ]
+        for kind in rm.POLICY_LOSSES:
+            loss, _ = rm.policy_token_loss(kind, v["y"], v["y"] * 0.5, v["x"], v["mask"], 0.2, 0.3)
+            out += [
+                rm.aggregate(loss, v["mask"], mode, max_length=t) for mode in rm.LOSS_AGGREGATIONS
+            ]
+        return out
+
+    on_cpu = run(inputs)
+    on_device = run({k: v.to(device) for k, v in inputs.items()})
+    for a, b_ in zip(on_cpu, on_device, strict=True):
+        assert b_.device.type == torch.device(device).type
+        torch.testing.assert_close(b_.cpu(), a, atol=1e-5, rtol=1e-4)
