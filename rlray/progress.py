@@ -63,9 +63,10 @@ class Progress:
         done = step - self.first_step + 1
         eta = elapsed / done * (self.total_steps - step)
         accuracy = "  -  " if self.accuracy is None else f"{self.accuracy:.3f}"
+        kl = "" if record.get("kl") is None else f"kl {record['kl']:+.4f}  "
         return (
             f"step {step:>4}/{self.total_steps}  reward {record['reward_mean']:.3f}  "
-            f"acc {accuracy}  kl {record['kl']:+.4f}  "
+            f"acc {accuracy}  {kl}"
             f"eps/s {self.episodes / elapsed:5.1f}  eta {_duration(eta)}"
         )
 
