@@ -102,7 +102,8 @@ def spread(values: list[float | None], digits: int = 3) -> str:
         return f"{len(reached)}/{len(values)} reached" if reached else "-"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    low, high = min(values), max(values)
+    return f"{statistics.mean(values):.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def table(title: str, columns: list[str], rows: dict[str, list[str]]) -> str:

@@ -1,8 +1,9 @@
-"""PPO fine-tuning of a causal LM: vLLM rollout actors, reward actors, a buffer, a learner.
+"""RL fine-tuning of a causal LM (PPO, the GRPO family): vLLM rollout actors, reward
+actors, a buffer, a learner.
 
     python jobs/ppo.py                      # embedded tiny model + arithmetic task
     python jobs/ppo.py --help               # every config field with its doc
-    python jobs/ppo.py --config my.yaml --ppo.lr 1e-5 --run-dir runs/exp1
+    python jobs/ppo.py --algorithm.advantage rloo --learner.lr 1e-5 --run-dir runs/exp1
     python jobs/ppo.py --resume runs/exp1   # continue from the last checkpoint
     ray job submit --working-dir . -- python jobs/ppo.py   # the same on a cluster
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from rlray import rl_math as rm
-from rlray.algorithm import Algorithm, MicroBatch, StepInputs
+from rlray.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
-from rlray.engine import Engine, MiniBatchTotals, Outputs, TokenBatch, collate
+from rlray.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
 from rlray.episode import Episode
 from rlray.groups import check_whole_groups, group_indexes
 from rlray.models import resolve_model_path
@@ -75,6 +75,25 @@ class StepMetrics:
     learner_tokens_per_s: float
     learner_seconds: float
     completion_length_mean: float
+
+
+@dataclass
+class PreparedStep:
+    """A step's tensors, (B, ...) each, computed once before the update."""
+
+    batch: TokenBatch
+    inputs: StepInputs
+    rollout_logp: torch.Tensor  # (B, T) vLLM's logprobs (0 where unknown)
+    known: torch.Tensor  # (B,) bool: the episode came with vLLM logprobs
+    correction: torch.Tensor  # (B, T) rollout-correction weights
+    advantages: Advantages
+    truncated: torch.Tensor  # (B,) bool: cut off at the length limit
+    loss_mask: torch.Tensor  # (B, T) tokens that enter the loss
+
+    @property
+    def known_mask(self) -> torch.Tensor:
+        """(B, T) completion tokens that have vLLM logprobs."""
+        return self.batch.mask * self.known[:, None]
 
 
 class Learner:
@@ -166,87 +185,122 @@ class Learner:
         episodes = [e for e in episodes if e.reward is not None]
         if not episodes:
             raise ValueError("every episode of this step was dropped by a failing reward")
-        batch = self._batch(episodes)
-        mask = batch.mask
-        group = torch.tensor(group_indexes(episodes), device=self.device)
-        rewards = torch.tensor([float(e.reward) for e in episodes], device=self.device)
-        truncated = torch.tensor(
-            [e.finish_reason == "length" for e in episodes], device=self.device
-        )
-        before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
-        old_logp = before.logp
-        ref_logp = self.engine.reference_logprobs(batch)
-        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
-        parity = self._parity_error(episodes, old_logp, rollout_logp, mask * known[:, None])
+        step = self._prepare(episodes)
+        old_logp = step.inputs.old_logp
+        parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
         if parity is None:  # nothing fresh in this batch: report the post-sync probe
             parity = self.probe_parity
         self.probe_parity = None
-        # Rows without vLLM logprobs take the learner's own: weight 1 (ratio 1).
-        behaviour = torch.where(known[:, None], rollout_logp, old_logp)
-        correction = self.algorithm.correction_weights(old_logp, behaviour, mask)
-        step = StepInputs(rewards, group, mask, old_logp, ref_logp, before.values)
-        advantages = self.algorithm.advantages(step)
-        loss_mask = self.algorithm.loss_mask(mask, truncated)
-
-        def loss_fn(outputs: Outputs, rows: torch.Tensor, totals: MiniBatchTotals):
-            micro = MicroBatch(
-                logp=outputs.logp,
-                mask=loss_mask[rows],
-                old_logp=old_logp[rows],
-                advantages=advantages.advantages[rows],
-                correction=correction[rows],
-                entropy=outputs.entropy,
-                values=outputs.values,
-                old_values=_rows(before.values, rows),
-                returns=_rows(advantages.returns, rows),
-                ref_logp=_rows(ref_logp, rows),
-            )
-            return self.algorithm.loss(micro, totals.tokens, totals.sequences)
-
         updates = self.engine.train(
-            batch,
-            loss_mask,
-            loss_fn,
+            step.batch,
+            step.loss_mask,
+            self._loss_fn(step),
             self.learner.epochs,
             self.learner.minibatch_size,
             entropy_grad=self.algorithm.needs_entropy_gradient,
         )
         self.version += 1
-        seconds = time.perf_counter() - started
-        mismatch = rm.logprob_mismatch(old_logp, rollout_logp, mask * known[:, None])
-        mean_update = {k: sum(u.get(k, 0.0) for u in updates) / len(updates) for k in updates[0]}
+        return self._metrics(episodes, step, updates, parity, time.perf_counter() - started)
+
+    def _prepare(self, episodes: list[Episode]) -> PreparedStep:
+        """Returns the step's tensors: the learner's logprobs before the update (and the
+        critic's values, the reference's logprobs), vLLM's, the rollout correction and
+        the algorithm's advantages."""
+        batch = self._batch(episodes)
+        before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
+        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
+        # Rows without vLLM logprobs take the learner's own: weight 1 (ratio 1).
+        behaviour = torch.where(known[:, None], rollout_logp, before.logp)
+        is_truncated = torch.tensor(
+            [e.finish_reason == "length" for e in episodes], device=self.device
+        )
+        inputs = StepInputs(
+            rewards=torch.tensor([float(e.reward) for e in episodes], device=self.device),
+            group=torch.tensor(group_indexes(episodes), device=self.device),
+            mask=batch.mask,
+            old_logp=before.logp,
+            ref_logp=self.engine.reference_logprobs(batch),
+            values=before.values,
+        )
+        return PreparedStep(
+            batch=batch,
+            inputs=inputs,
+            rollout_logp=rollout_logp,
+            known=known,
+            correction=self.algorithm.correction_weights(before.logp, behaviour, batch.mask),
+            advantages=self.algorithm.advantages(inputs),
+            truncated=is_truncated,
+            loss_mask=self.algorithm.loss_mask(batch.mask, is_truncated),
+        )
+
+    def _loss_fn(self, step: PreparedStep) -> LossFn:
+        """Returns the engine's loss function: the algorithm's loss on a micro-batch's rows."""
+        inputs, advantages = step.inputs, step.advantages
+
+        def loss_fn(outputs: Outputs, rows: torch.Tensor, totals: MiniBatchTotals):
+            micro = MicroBatch(
+                logp=outputs.logp,
+                mask=step.loss_mask[rows],
+                old_logp=inputs.old_logp[rows],
+                advantages=advantages.advantages[rows],
+                correction=step.correction[rows],
+                entropy=outputs.entropy,
+                values=outputs.values,
+                old_values=_rows(inputs.values, rows),
+                returns=_rows(advantages.returns, rows),
+                ref_logp=_rows(inputs.ref_logp, rows),
+            )
+            return self.algorithm.loss(micro, totals.tokens, totals.sequences)
+
+        return loss_fn
+
+    def _metrics(
+        self,
+        episodes: list[Episode],
+        step: PreparedStep,
+        updates: list[dict[str, float]],
+        parity: float | None,
+        seconds: float,
+    ) -> StepMetrics:
+        mask, inputs, adv = step.batch.mask, step.inputs, step.advantages.advantages
+        mean = {k: sum(u.get(k, 0.0) for u in updates) / len(updates) for k in updates[0]}
         critic = self.algorithm.needs_critic
-        adv = advantages.advantages
+        mismatch = None
+        if bool(step.known.any()):
+            gaps = rm.logprob_mismatch(inputs.old_logp, step.rollout_logp, step.known_mask)
+            mismatch = {key: float(value) for key, value in gaps.items()}
+        kl = step.advantages.kl
+        tokens = int(step.batch.attention_mask.sum())
         return StepMetrics(
             step=self.version,
             policy_version=self.version,
             episodes=len(episodes),
-            groups=int(group.max()) + 1,
-            reward_mean=float(rewards.mean()),
+            groups=int(inputs.group.max()) + 1,
+            reward_mean=float(inputs.rewards.mean()),
             reward_components=component_means(episodes),
-            policy_loss=mean_update["policy_loss"],
-            clip_fraction=mean_update["clip_fraction"],
-            entropy=mean_update["entropy"],
-            grad_norm=mean_update["grad_norm"],
-            advantage_abs_mean=float(rm.masked_mean(adv.abs(), loss_mask)),
+            policy_loss=mean["policy_loss"],
+            clip_fraction=mean["clip_fraction"],
+            entropy=mean["entropy"],
+            grad_norm=mean["grad_norm"],
+            advantage_abs_mean=float(rm.masked_mean(adv.abs(), step.loss_mask)),
             zero_advantage_share=float(((adv * mask).abs().sum(dim=1) == 0).float().mean()),
-            value_loss=mean_update["value_loss"] if critic else None,
-            value_clip_fraction=mean_update["value_clip_fraction"] if critic else None,
+            value_loss=mean["value_loss"] if critic else None,
+            value_clip_fraction=mean["value_clip_fraction"] if critic else None,
             explained_variance=(
-                rm.explained_variance(before.values, advantages.returns, mask) if critic else None
+                rm.explained_variance(inputs.values, step.advantages.returns, mask)
+                if critic
+                else None
             ),
-            kl=None if advantages.kl is None else float(rm.masked_mean(advantages.kl, mask)),
+            kl=None if kl is None else float(rm.masked_mean(kl, mask)),
             staleness_mean=staleness_mean(episodes, self.version - 1),
             logprob_parity_error=parity,
-            rollout_logprob_diff_mean=float(mismatch["mean"]) if bool(known.any()) else None,
-            rollout_logprob_diff_max=float(mismatch["max"]) if bool(known.any()) else None,
-            rollout_ratio_outside_share=(
-                float(mismatch["outside_share"]) if bool(known.any()) else None
-            ),
-            rollout_correction_weight_mean=float(rm.masked_mean(correction, mask)),
-            episodes_without_logprobs=int((~known).sum()),
-            truncated_share=float(truncated.float().mean()),
-            learner_tokens_per_s=int(batch.attention_mask.sum()) * self.learner.epochs / seconds,
+            rollout_logprob_diff_mean=mismatch and mismatch["mean"],
+            rollout_logprob_diff_max=mismatch and mismatch["max"],
+            rollout_ratio_outside_share=mismatch and mismatch["outside_share"],
+            rollout_correction_weight_mean=float(rm.masked_mean(step.correction, mask)),
+            episodes_without_logprobs=int((~step.known).sum()),
+            truncated_share=float(step.truncated.float().mean()),
+            learner_tokens_per_s=tokens * self.learner.epochs / seconds,
             learner_seconds=seconds,
             completion_length_mean=float(mask.sum(dim=1).mean()),
         )

@@ -4,6 +4,7 @@ resume, bad input, and `ray job submit` to a running cluster."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -109,6 +110,68 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(job_env,
     assert all(version >= 3 for version in seen.values())
     # Every sync's parity is checked, on the fresh training batch or a post-sync probe.
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
+
+
+@pytest.fixture(scope="module")
+def group_run(job_env, tmp_path_factory):
+    """One 4-step GRPO run in bfloat16 with dynamic sampling and no KL, for several tests."""
+    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+    algorithm = ["--algorithm.advantage", "grpo", "--algorithm.drop_uniform_groups", "true"]
+    args = [*SHORT_RUN, *algorithm, "--algorithm.kl_coef", "0", "--model.dtype", "bfloat16"]
+    result = run_job([*args, "--learner.steps", "4", "--run-dir", str(run_dir)], job_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_bfloat16_run_keeps_vllm_and_learner_logprobs_close(group_run):
+    records = metrics(group_run)
+    # Measured here (bf16 vLLM against the learner's bf16 autocast over fp32 masters):
+    # mean |vLLM - learner| 0.008-0.014 per token, max 0.07-0.29, no token's ratio outside
+    # [0.5, 2]. A broken sync is far outside these bounds (a stale lm_head: mean > 0.5,
+    # max ~3); float32 gives ~5e-7, so the lower bound shows bf16 really ran.
+    for r in records:
+        assert 1e-4 < r["rollout_logprob_diff_mean"] < 0.05, r
+        assert r["logprob_parity_error"] < math.log(2), r
+        assert r["rollout_ratio_outside_share"] < 0.01, r
+        assert 0.9 < r["rollout_correction_weight_mean"] < 1.1, r
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_trains_whole_mixed_groups_and_stores_every_episode(group_run):
+    import rlray.episodes
+    from rlray.episode import from_table
+
+    records = metrics(group_run)
+    assert sum(r["dropped_uniform_groups"] for r in records) > 0
+    # Every trained group had rewards that differ: no episode has all-zero advantages,
+    # and more prompts were generated than one step's worth to fill the steps.
+    assert all(r["zero_advantage_share"] == 0.0 and r["episodes"] >= 32 for r in records)
+    assert sum(r["prompts_generated"] for r in records) > 4 * 8
+    episodes = from_table(rlray.episodes.read(str(group_run / "episodes")))
+    assert len({e.episode_id for e in episodes}) == len(episodes)
+    groups: dict[int, list] = {}
+    for e in episodes:
+        groups.setdefault(e.prompt_index, []).append(e)
+    trained = 0
+    for members in groups.values():
+        assert len(members) == 4  # every group whole, in the store too
+        assert len({e.trained_at for e in members}) == 1  # trained together or not at all
+        if members[0].trained_at is not None:
+            assert len({e.reward for e in members}) > 1
+            trained += 4
+    assert trained == sum(r["episodes"] for r in records)
+    uniform = [m for m in groups.values() if len({e.reward for e in m}) == 1]
+    assert uniform and all(m[0].trained_at is None for m in uniform)
+
+
+@pytest.mark.slow
+def test_group_estimators_hold_no_critic_and_no_reference(group_run):
+    records = metrics(group_run)
+    assert all(r["value_loss"] is None and r["explained_variance"] is None for r in records)
+    assert all(r["kl"] is None for r in records)
+    latest = group_run / "checkpoints" / (group_run / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "policy").is_dir() and not (latest / "critic").exists()
 
 
 USER_REWARDS = """

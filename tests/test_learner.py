@@ -192,6 +192,22 @@ def test_two_micro_batches_give_the_same_update_as_one(model_path, device):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_gradient_checkpointing_gives_the_same_update(model_path, device):
+    plain = make_learner(model_path, device, algorithm__advantage="grpo")
+    recomputed = make_learner(
+        model_path, device, algorithm__advantage="grpo", learner__gradient_checkpointing=True
+    )
+    assert recomputed.engine.policy.is_gradient_checkpointing
+    plain.train_step(episodes_for(plain, REWARDS))
+    recomputed.train_step(episodes_for(recomputed, REWARDS))
+    for (name, a), b in zip(
+        plain.engine.policy.state_dict().items(),
+        recomputed.engine.policy.state_dict().values(),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_a_group_split_across_steps_is_refused(model_path, device):
     learner = make_learner(model_path, device, algorithm__advantage="grpo")
     three_of_four = episodes_for(learner, REWARDS)[:3]
