@@ -23,19 +23,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name: the settings that make the variant (everything else is the default job's)
+# name: the settings that make the variant (everything else is the default job's). The
+# group estimators run without a reference model (kl_coef 0, as DAPO and Dr. GRPO do;
+# grpo refuses a KL penalty in the reward); gae runs with and without its KL penalty.
+NO_KL = ["--algorithm.kl_coef", "0"]
 VARIANTS: dict[str, list[str]] = {
-    "gae": ["--algorithm.advantage", "gae"],
-    "grpo": ["--algorithm.advantage", "grpo"],
+    "gae": ["--algorithm.advantage", "gae", "--algorithm.kl_coef", "0.05"],
+    "gae_kl0": ["--algorithm.advantage", "gae", *NO_KL],
+    "grpo": ["--algorithm.advantage", "grpo", *NO_KL],
     "dr_grpo": [
         "--algorithm.advantage",
         "dr_grpo",
         "--algorithm.loss_aggregation",
         "seq_mean_token_sum_norm",
+        *NO_KL,
     ],
-    "rloo": ["--algorithm.advantage", "rloo"],
-    "reinforce_pp": ["--algorithm.advantage", "reinforce_pp"],
-    "reinforce_pp_baseline": ["--algorithm.advantage", "reinforce_pp_baseline"],
+    "rloo": ["--algorithm.advantage", "rloo", *NO_KL],
+    "reinforce_pp": ["--algorithm.advantage", "reinforce_pp", *NO_KL],
+    "reinforce_pp_baseline": ["--algorithm.advantage", "reinforce_pp_baseline", *NO_KL],
     "grpo+gspo": [
         "--algorithm.advantage",
         "grpo",
@@ -43,8 +48,9 @@ VARIANTS: dict[str, list[str]] = {
         "gspo",
         "--algorithm.loss_aggregation",
         "seq_mean_token_mean",
+        *NO_KL,
     ],
-    "grpo+cispo": ["--algorithm.advantage", "grpo", "--algorithm.policy_loss", "cispo"],
+    "grpo+cispo": ["--algorithm.advantage", "grpo", "--algorithm.policy_loss", "cispo", *NO_KL],
 }
 WALL_TIMES = (30, 60, 90, 120, 150)
 EPISODE_COUNTS = (0, 2560, 6400, 12800, 25600, 38400)

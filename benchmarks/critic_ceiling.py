@@ -81,8 +81,9 @@ def train_critic(model: str, lr: float, passes: int, episodes: list[Episode]) ->
     """Trains a fresh critic on 3/4 of the prompts; prints held-out explained variance."""
     prompts = sorted({e.prompt_index for e in episodes})
     cut = prompts[len(prompts) * 3 // 4]
-    train, held = tensors([e for e in episodes if e.prompt_index < cut]), tensors(
-        [e for e in episodes if e.prompt_index >= cut]
+    train, held = (
+        tensors([e for e in episodes if e.prompt_index < cut]),
+        tensors([e for e in episodes if e.prompt_index >= cut]),
     )
     engine = Engine(model, with_critic=True, lr=0.0, critic_lr=lr, micro_batch_size=256)
     batch, returns = train
@@ -115,7 +116,8 @@ def main() -> None:
     store = args.store or collect(args.out, args.prompts)
     episodes = [e for e in from_table(read(str(store))) if e.reward is not None]
     variance, between = prompt_share_of_variance(episodes)
-    print(f"{len(episodes)} episodes, reward mean {statistics.mean(e.reward for e in episodes):.3f}")
+    mean = statistics.mean(e.reward for e in episodes)
+    print(f"{len(episodes)} episodes, reward mean {mean:.3f}")
     print(f"reward variance {variance:.4f}; between prompts: {between:.3f} of it")
     print(f"ceiling of a critic that reads only the prompt: explained variance {between:.3f}")
     for lr in args.lrs:

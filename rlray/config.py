@@ -694,6 +694,12 @@ def _float_fields(value: Any, kind: Any, name: str = "") -> Iterator[tuple[str, 
 
 def _check_algorithm(config: Config) -> None:
     a = config.algorithm
+    if a.advantage == "grpo" and a.kl_mode == "reward" and a.kl_coef > 0:
+        raise ConfigError(
+            "algorithm.kl_mode reward with advantage grpo: dividing by a group's reward std "
+            "turns the KL penalty of a group whose rewards are equal into full-size "
+            "advantages; use kl_mode loss (k2 or k3) or kl_coef 0"
+        )
     if a.kl_mode == "loss" and a.kl_estimator == "k1" and a.kl_coef > 0:
         raise ConfigError(
             "algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation; "

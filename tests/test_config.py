@@ -208,8 +208,12 @@ def test_missing_config_file_is_named(tmp_path):
             r"algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation",
         ),
         (
-            ["--algorithm.advantage", "grpo", "--rollout.samples_per_prompt", "1"],
-            r"rollout.samples_per_prompt must be >= 2 for algorithm.advantage grpo",
+            ["--algorithm.advantage", "grpo", "--algorithm.kl_coef", "0.05"],
+            r"algorithm.kl_mode reward with advantage grpo: dividing by a group's reward std",
+        ),
+        (
+            ["--algorithm.advantage", "rloo", "--rollout.samples_per_prompt", "1"],
+            r"rollout.samples_per_prompt must be >= 2 for algorithm.advantage rloo",
         ),
         (
             ["--learner.minibatch_size", "24"],

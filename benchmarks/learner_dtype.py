@@ -1,0 +1,123 @@
+"""The learner's engine in bfloat16 against float32 on the same float32 weights: how far
+the logprobs move, and the training speed and memory of each.
+
+    python benchmarks/learner_dtype.py --device cuda        # on a GPU machine
+    python benchmarks/learner_dtype.py --device cpu --sizes tiny
+
+Random-weight Qwen2 models (tied embeddings) built here: `tiny` (0.5M parameters, the
+embedded model's shape, 8 completion tokens) and `100m` (138M parameters, 256 completion
+tokens); 64 sequences of random tokens with 32-token prompts. bfloat16 is the engine's
+mixed precision: float32 master weights and AdamW state, bfloat16 autocast arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlray import rl_math as rm
+from rlray.engine import Engine, TokenBatch, collate
+
+# name: (hidden, layers, heads, vocab, completion tokens)
+SIZES = {"tiny": (128, 2, 2, 20, 8), "100m": (768, 12, 12, 32000, 256)}
+SEQUENCES, PROMPT = 64, 32
+
+
+def build(name: str, out: str) -> int:
+    """Saves a random Qwen2 of the named size into `out`; returns its parameter count."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers, heads, vocab, _ = SIZES[name]
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def random_batch(name: str, device: str) -> TokenBatch:
+    *_, vocab, steps = SIZES[name]
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, vocab, (PROMPT,), generator=generator).tolist()] * SEQUENCES
+    completions = [torch.randint(0, vocab, (steps,), generator=generator).tolist() for _ in prompts]
+    return collate(prompts, completions, 0).to(torch.device(device))
+
+
+def train_speed(engine: Engine, batch: TokenBatch, repeats: int = 3) -> float:
+    """Returns tokens/s of one epoch of PPO updates on the batch (one mini-batch)."""
+    advantages = torch.randn(batch.size, device=batch.mask.device)[:, None] * batch.mask
+    old_logp = engine.score(batch).logp
+
+    def loss_fn(outputs, rows, totals):
+        loss, _ = rm.ppo_token_loss(outputs.logp, old_logp[rows], advantages[rows], 0.2, 0.2)
+        return rm.aggregate(loss, batch.mask[rows], "token_mean", totals.tokens), {}
+
+    engine.train(batch, batch.mask, loss_fn, epochs=1, minibatch_size=batch.size)  # warm-up
+    synchronize(batch)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        engine.train(batch, batch.mask, loss_fn, epochs=1, minibatch_size=batch.size)
+    synchronize(batch)
+    return int(batch.attention_mask.sum()) * repeats / (time.perf_counter() - started)
+
+
+def synchronize(batch: TokenBatch) -> None:
+    if batch.mask.is_cuda:
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    args = parser.parse_args()
+    for name in args.sizes:
+        out = tempfile.mkdtemp()
+        parameters = build(name, out)
+        batch = random_batch(name, args.device)
+        gap = logprob_gap(out, batch, args.device)
+        outside = (gap > torch.log(torch.tensor(2.0))).float().mean()
+        print(
+            f"{name}: {parameters / 1e6:.1f}M parameters, {SIZES[name][-1]} completion tokens: "
+            f"|bf16 - fp32| logprob mean {gap.mean():.2e}, max {gap.max():.2e}, "
+            f"ratio outside [0.5, 2] {outside:.2e}"
+        )
+        for dtype in ("float32", "bfloat16"):
+            if batch.mask.is_cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            engine = Engine(out, dtype=dtype, device=args.device, micro_batch_size=16)
+            speed = train_speed(engine, batch)
+            memory = torch.cuda.max_memory_allocated() / 2**30 if batch.mask.is_cuda else None
+            shown = f", peak GPU memory {memory:.2f} GiB" if memory is not None else ""
+            print(f"  {dtype:8s} training {speed:10,.0f} tokens/s{shown}", flush=True)
+            del engine
+
+
+def logprob_gap(model: str, batch: TokenBatch, device: str) -> torch.Tensor:
+    """Returns |float32 - bfloat16| logprobs of the batch's tokens, (B, T)."""
+    logprobs = [
+        Engine(model, dtype=dtype, device=device, micro_batch_size=16).score(batch).logp
+        for dtype in ("float32", "bfloat16")
+    ]
+    return (logprobs[0] - logprobs[1]).abs().cpu()
+
+
+if __name__ == "__main__":
+    main()
