@@ -52,8 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     ],
     "grpo+cispo": ["--algorithm.advantage", "grpo", "--algorithm.policy_loss", "cispo", *NO_KL],
 }
-WALL_TIMES = (30, 60, 90, 120, 150)
-EPISODE_COUNTS = (0, 2560, 6400, 12800, 25600, 38400)
+WALL_TIMES = (20, 40, 60, 80)
+EPISODE_COUNTS = (0, 2560, 6400, 12800, 19200, 25600)
 THRESHOLDS = (0.5, 0.6, 0.65)
 
 

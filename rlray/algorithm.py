@@ -11,7 +11,7 @@ rlray/rl_math.py.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -96,28 +96,13 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, config: AlgorithmConfig, max_new_tokens: int) -> Algorithm:
-        """Returns the algorithm the config section describes."""
+        """Returns the algorithm the config section describes (unset clips: the policy
+        loss's own)."""
+        numbers = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
         low, high = DEFAULT_CLIPS[config.policy_loss]
-        return cls(
-            advantage=config.advantage,
-            policy_loss=config.policy_loss,
-            loss_aggregation=config.loss_aggregation,
-            clip_low=low if config.clip_low is None else config.clip_low,
-            clip_high=high if config.clip_high is None else config.clip_high,
-            gamma=config.gamma,
-            lam=config.lam,
-            whiten_advantages=config.whiten_advantages,
-            vf_coef=config.vf_coef,
-            value_clip=config.value_clip,
-            kl_coef=config.kl_coef,
-            kl_estimator=config.kl_estimator,
-            kl_mode=config.kl_mode,
-            entropy_coef=config.entropy_coef,
-            mask_truncated=config.mask_truncated,
-            rollout_correction=config.rollout_correction,
-            rollout_correction_clip=config.rollout_correction_clip,
-            max_length=max_new_tokens,
-        )
+        numbers["clip_low"] = low if config.clip_low is None else config.clip_low
+        numbers["clip_high"] = high if config.clip_high is None else config.clip_high
+        return cls(**numbers, max_length=max_new_tokens)
 
     @property
     def needs_critic(self) -> bool:

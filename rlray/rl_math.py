@@ -180,7 +180,12 @@ def ppo_token_loss(
     (Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7; the separate upper
     clip is DAPO's clip-higher, Yu et al. 2025, https://arxiv.org/abs/2503.14476.)
     """
-    ratio = torch.exp(logp - old_logp)
+    return _clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
@@ -207,9 +212,7 @@ def gspo_token_loss(
     # Added last so that the value is exactly the sequence ratio (no round-off).
     token_log_ratio = logp - logp.detach() + log_ratio[:, None]
     ratio = torch.exp(token_log_ratio.clamp(max=20.0))
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    return _clipped_surrogate(ratio, advantages, clip_low, clip_high)
 
 
 def cispo_token_loss(

@@ -204,7 +204,7 @@ def test_missing_config_file_is_named(tmp_path):
         (["--rollout.prompts_per_batch", "-4"], "rollout.prompts_per_batch must be > 0, got -4"),
         (["--algorithm.gamma", "1.5"], r"algorithm.gamma must be in \[0, 1\], got 1.5"),
         (
-            ["--algorithm.kl_mode", "loss"],
+            ["--algorithm.kl_mode", "loss", "--algorithm.kl_coef", "0.05"],
             r"algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation",
         ),
         (

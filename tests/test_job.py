@@ -17,7 +17,14 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from tests.jobs_helper import REPO, SHORT_RUN, metrics, run_job
 
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
-TRAINING_VALUES = ("reward_mean", "policy_loss", "value_loss", "kl", "entropy", "clip_fraction")
+TRAINING_VALUES = (
+    "reward_mean",
+    "policy_loss",
+    "entropy",
+    "clip_fraction",
+    "grad_norm",
+    "advantage_abs_mean",
+)
 
 
 @pytest.fixture(scope="module")

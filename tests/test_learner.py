@@ -141,7 +141,8 @@ def test_critic_learns_a_reward_that_depends_on_the_prompt(model_path, device):
     # the mean explains none of it; a critic that reads the prompt explains it all.
     learner = make_learner(
         model_path,
-        algorithm__kl_coef=0.0,
+        device,
+        algorithm__advantage="gae",
         learner__episodes_per_step=8,
         learner__minibatch_size=8,
         learner__micro_batch_size=8,
@@ -161,6 +162,7 @@ def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path, device):
     # the policy. Push the policy away from the reference first.
     learner = make_learner(
         model_path,
+        device,
         algorithm__advantage="grpo",
         algorithm__kl_mode="loss",
         algorithm__kl_estimator="k3",
@@ -179,18 +181,22 @@ def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path, device):
     assert last.kl < 0.5 * first.kl, (first.kl, last.kl)
 
 
-def test_two_micro_batches_give_the_same_update_as_one(model_path, device):
-    one = make_learner(model_path, device, algorithm__advantage="grpo", learner__micro_batch_size=4)
-    two = make_learner(model_path, device, algorithm__advantage="grpo", learner__micro_batch_size=2)
-    episodes = {"46": 1.0, "4": 0.0, "4600": 0.0, "57": 0.5}  # unequal lengths
-    one.train_step(episodes_for(one, episodes))
-    two.train_step(episodes_for(two, episodes))
+def assert_same_policy(one: Learner, two: Learner) -> None:
     for (name, a), b in zip(
         one.engine.policy.state_dict().items(),
         two.engine.policy.state_dict().values(),
         strict=True,
     ):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_two_micro_batches_give_the_same_update_as_one(model_path, device):
+    one = make_learner(model_path, device, algorithm__advantage="grpo", learner__micro_batch_size=4)
+    two = make_learner(model_path, device, algorithm__advantage="grpo", learner__micro_batch_size=2)
+    episodes = {"46": 1.0, "4": 0.0, "4600": 0.0, "57": 0.5}  # unequal lengths
+    one.train_step(episodes_for(one, episodes))
+    two.train_step(episodes_for(two, episodes))
+    assert_same_policy(one, two)
 
 
 def test_gradient_checkpointing_gives_the_same_update(model_path, device):
@@ -201,12 +207,7 @@ def test_gradient_checkpointing_gives_the_same_update(model_path, device):
     assert recomputed.engine.policy.is_gradient_checkpointing
     plain.train_step(episodes_for(plain, REWARDS))
     recomputed.train_step(episodes_for(recomputed, REWARDS))
-    for (name, a), b in zip(
-        plain.engine.policy.state_dict().items(),
-        recomputed.engine.policy.state_dict().values(),
-        strict=True,
-    ):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_policy(plain, recomputed)
 
 
 def test_a_group_split_across_steps_is_refused(model_path, device):
@@ -270,11 +271,11 @@ def test_padding_in_a_batch_changes_no_logprob(model_path, device):
 
 
 def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, device, tmp_path):
-    learner = make_learner(model_path, device)
+    learner = make_learner(model_path, device, algorithm__advantage="gae")
     learner.train_step(episodes_for(learner, {"46": 1.0, "45": 0.0, "47": 0.0, "56": 0.0}))
     saved = learner.save_checkpoint(tmp_path, prompt_cursor=1234)
     assert latest_checkpoint(tmp_path) == saved
-    restored = make_learner(model_path, device, checkpoint=str(saved))
+    restored = make_learner(model_path, device, str(saved), algorithm__advantage="gae")
     assert restored.state() == {"version": 1, "prompt_cursor": 1234}
     for (name, a), b in zip(
         learner.engine.policy.state_dict().items(),
