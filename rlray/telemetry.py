@@ -27,7 +27,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rlray_episodes_scored": ("counter", "Episodes scored", RUN_WORKER),
     "rlray_uniform_groups_dropped": (
         "counter",
-        "Groups left out because all their samples got the same reward (dynamic sampling)",
+        "Groups left out because all their samples got the same reward"
+        " (with algorithm.drop_uniform_groups)",
         RUN_WORKER,
     ),
     "rlray_buffer_depth": ("gauge", "Episodes held by the buffer", RUN),

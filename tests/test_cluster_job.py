@@ -50,6 +50,11 @@ def test_every_metric_reaches_prometheus_with_plausible_values(ray_cluster, job_
             "40",
             "--learner.eval_every",
             "2",
+            # Dynamic sampling, so that the reward workers count the groups they drop.
+            "--algorithm.advantage",
+            "grpo",
+            "--algorithm.drop_uniform_groups",
+            "true",
             "--run-dir",
             str(run_dir),
         ],
