@@ -2,7 +2,7 @@
 
 For each model, in one run: the real sync path (the learner actor publishes its
 weights once into the object store, every rollout actor loads them into vLLM in place
-and resets its prefix cache; PPODriver.sync_weights), timed from the driver, against
+and resets its prefix cache; TrainingDriver.sync_weights), timed from the driver, against
 one in-memory copy of the same bytes (clone of every tensor of the state dict) in this
 process; a copy into memory already allocated is printed alongside, for scale. Models:
 the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same architecture (random
@@ -28,7 +28,7 @@ import torch
 from rlray.actors import start_actors
 from rlray.config import Config
 from rlray.data import eval_rows, train_prompts
-from rlray.driver import PPODriver, RunPlan
+from rlray.driver import RunPlan, TrainingDriver
 from rlray.models import build_char_tokenizer, resolve_model_path
 
 
@@ -79,7 +79,7 @@ def copy_seconds(model_path: str, repeats: int) -> tuple[float, float, int]:
 
 
 def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> tuple[float, float]:
-    """Returns the median wall seconds of PPODriver.sync_weights with `workers` actors,
+    """Returns the median wall seconds of TrainingDriver.sync_weights with `workers` actors,
     and the median of its slowest worker's load (vLLM reload + prefix-cache reset)."""
     config = Config()
     config.rollout.num_workers = workers
@@ -96,7 +96,7 @@ def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> 
     )
     actors = start_actors(config, model_path, "bench", None)
     try:
-        driver = PPODriver(plan, actors, version=0, prompt_cursor=0)
+        driver = TrainingDriver(plan, actors, version=0, prompt_cursor=0)
         driver.sync_weights()  # warm-up
         timings = [driver.sync_weights() for _ in range(repeats)]
         return (

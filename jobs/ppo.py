@@ -1,5 +1,5 @@
-"""RL fine-tuning of a causal LM (PPO, the GRPO family): vLLM rollout actors, reward
-actors, a buffer, a learner.
+"""RL fine-tuning of a causal LM (REINFORCE++, the GRPO family, PPO with a critic): vLLM
+rollout actors, reward actors, a buffer, a learner.
 
     python jobs/ppo.py                      # embedded tiny model + arithmetic task
     python jobs/ppo.py --help               # every config field with its doc
@@ -31,7 +31,7 @@ from rlray.actors import (
     start_ingest,
 )
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
-from rlray.driver import MetricsLog, PPODriver, RunPlan, plan_run, write_config
+from rlray.driver import MetricsLog, RunPlan, TrainingDriver, plan_run, write_config
 from rlray.learner import checkpoint_version
 from rlray.progress import Progress
 from rlray.report import write_report
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         return 1
     placement = actor_nodes(actors, config.ray.call_timeout_s)
     (plan.run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
-    driver = PPODriver(plan, actors, *resume_point(plan))
+    driver = TrainingDriver(plan, actors, *resume_point(plan))
     trackers = open_trackers(plan)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C
     summary = None
@@ -133,7 +133,7 @@ def resume_point(plan: RunPlan) -> tuple[int, int]:
     return checkpoint_version(plan.checkpoint), int(state["prompt_cursor"])
 
 
-def train(plan: RunPlan, driver: PPODriver, log: MetricsLog) -> dict:
+def train(plan: RunPlan, driver: TrainingDriver, log: MetricsLog) -> dict:
     """Runs learner steps up to learner.steps; returns the summary."""
     config = plan.config
     steps, started = config.learner.steps, time.perf_counter()

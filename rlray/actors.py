@@ -74,7 +74,7 @@ class LearnerActor(Learner):
         self.telemetry = Telemetry(run_id, "learner")
 
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
-        """Fetches the referenced episode batches and runs one PPO step on them."""
+        """Fetches the referenced episode batches and runs one learner step on them."""
         metrics = self.train_step(resolve_episodes(batch_refs, timeout_s))
         self.telemetry.set("rlray_reward_mean", metrics.reward_mean)
         self.telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)

@@ -175,7 +175,7 @@ class BufferConfig:
     """Most episodes the buffer holds; producers wait while it is full."""
     max_staleness: int = 0
     """Drop episodes made by a policy more than this many learner updates behind the
-    learner. 0 is strict on-policy PPO; >= 1 lets generation overlap training."""
+    learner. 0 is strictly on-policy; >= 1 lets generation overlap training."""
 
 
 @dataclass
@@ -382,7 +382,7 @@ USAGE = (
     "%(prog)s [--config FILE.yaml | --resume RUN_DIR] [--model PATH] [--SECTION.FIELD VALUE ...]"
 )
 DESCRIPTION = """\
-PPO fine-tuning of a causal LM on Ray with vLLM rollouts.
+RL fine-tuning of a causal LM on Ray with vLLM rollouts.
 
 Every field below can be set on the command line (--learner.lr 2e-5, or with dashes:
 --learner.micro-batch-size 32) or in a YAML file of the same nesting (learner: {lr: 2e-5}).

@@ -124,12 +124,12 @@ class RolloutTally:
         return self.completion_tokens / self.generate_seconds if self.generate_seconds else None
 
 
-class PPODriver:
+class TrainingDriver:
     """Schedules generation, scoring, buffering, learning and weight syncs of one run.
 
     Generation runs ahead of the learner only as far as `buffer.max_staleness` allows:
     a batch is started only if the policy that makes it will be at most K versions
-    behind the learner when that batch is trained on. K=0 is strict on-policy PPO.
+    behind the learner when that batch is trained on. K=0 is strictly on-policy.
     """
 
     def __init__(self, plan: RunPlan, actors: Actors, version: int, prompt_cursor: int):

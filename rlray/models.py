@@ -3,7 +3,7 @@
 The embedded default is a 0.53M-parameter Qwen2 (hidden 128, 2 layers, 2 heads of
 head_dim 64, which vLLM's CPU attention supports) with a character tokenizer built by
 `tokenizers`. It is warm-started briefly on the arithmetic task by supervised learning
-so that PPO starts from a model that is right sometimes but far from always. The
+so that RL starts from a model that is right sometimes but far from always. The
 result is cached (keyed by everything that shapes it), so only the first run pays.
 """
 

@@ -110,7 +110,7 @@ def _plot_throughput(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
     drawn = []
     for field, label in [
         ("rollout_tokens_per_s", "rollout (generation)"),
-        ("learner_tokens_per_s", "learner (PPO update)"),
+        ("learner_tokens_per_s", "learner (update)"),
     ]:
         steps, rate = series(records, field)
         if len(rate):

