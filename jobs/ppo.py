@@ -26,6 +26,7 @@ from rlray.actors import (
     ActorFailure,
     actor_nodes,
     connect,
+    local_actor_pids,
     required_cpus,
     start_actors,
     start_ingest,
@@ -33,8 +34,10 @@ from rlray.actors import (
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
 from rlray.driver import MetricsLog, RunPlan, TrainingDriver, plan_run, write_config
 from rlray.learner import checkpoint_version
+from rlray.memory import MemoryMonitor, gib
 from rlray.progress import Progress
 from rlray.report import write_report
+from rlray.timing import describe_totals
 from rlray.tracking import Trackers
 
 
@@ -63,6 +66,8 @@ def main(argv: list[str]) -> int:
     placement = actor_nodes(actors, config.ray.call_timeout_s)
     (plan.run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
     driver = TrainingDriver(plan, actors, *resume_point(plan))
+    actor_pids = local_actor_pids(actors, config.ray.call_timeout_s)
+    memory = MemoryMonitor(lambda: actor_pids).start()
     trackers = open_trackers(plan)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C
     summary = None
@@ -70,7 +75,7 @@ def main(argv: list[str]) -> int:
         if config.ingest.enabled:
             url = start_ingest(config, actors, plan.model_path, config.ray.actor_start_timeout_s)
             print(f"ingestion endpoint: {url}", flush=True)
-        summary = train(plan, driver, MetricsLog(plan.run_dir, trackers))
+        summary = train(plan, driver, memory, MetricsLog(plan.run_dir, trackers))
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
@@ -83,6 +88,7 @@ def main(argv: list[str]) -> int:
         return 130
     finally:
         stored = driver.close_store()  # every scored episode written (or spooled)
+        memory.stop()
         actors.kill()
         if summary is None:
             trackers.close()
@@ -104,6 +110,9 @@ def report(plan: RunPlan, summary: dict, trackers: Trackers) -> None:
         f"{summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f}, "
         f"{summary['episodes_per_second']:.1f} episodes/s, {summary['wall_seconds']:.0f} s"
     )
+    print(f"time: {describe_totals(summary['phase_seconds'])}")
+    if summary["memory_peak_gib"] is not None:
+        print(f"memory: peak {summary['memory_peak_gib']:.2f} GiB (PSS of the run's processes)")
     print(f"report: {picture}")
     print(f"run directory: {plan.run_dir}")
 
@@ -133,10 +142,11 @@ def resume_point(plan: RunPlan) -> tuple[int, int]:
     return checkpoint_version(plan.checkpoint), int(state["prompt_cursor"])
 
 
-def train(plan: RunPlan, driver: TrainingDriver, log: MetricsLog) -> dict:
+def train(plan: RunPlan, driver: TrainingDriver, memory: MemoryMonitor, log: MetricsLog) -> dict:
     """Runs learner steps up to learner.steps; returns the summary."""
     config = plan.config
     steps, started = config.learner.steps, time.perf_counter()
+    driver.clock.restart()  # the split covers the same wall time as the summary
     first_step = driver.learner_version + 1
     progress = Progress(total_steps=steps, first_step=first_step)
     # Rollout workers start from the base model: give them the learner's weights (the
@@ -151,6 +161,8 @@ def train(plan: RunPlan, driver: TrainingDriver, log: MetricsLog) -> dict:
                 "policy_version": 0,
                 "eval_accuracy": initial.accuracy,
                 "elapsed_seconds": elapsed,
+                "phase_seconds": driver.clock.lap(),
+                "memory_gib": gib(memory.sample()),
             }
         )
         progress.evaluated(0, initial)
@@ -168,6 +180,8 @@ def train(plan: RunPlan, driver: TrainingDriver, log: MetricsLog) -> dict:
         if step % config.learner.checkpoint_every == 0 or last:
             record["checkpoint"] = str(driver.save_checkpoint())
         record["elapsed_seconds"] = time.perf_counter() - started
+        record["phase_seconds"] = driver.clock.lap()
+        record["memory_gib"] = gib(memory.last_bytes)
         log.write(record)
         progress.stepped(record)
     wall = time.perf_counter() - started
@@ -180,6 +194,8 @@ def train(plan: RunPlan, driver: TrainingDriver, log: MetricsLog) -> dict:
         "episodes": episodes,
         "wall_seconds": wall,
         "episodes_per_second": episodes / wall,
+        "phase_seconds": driver.clock.totals,
+        "memory_peak_gib": gib(memory.peak_bytes),
         "run_dir": str(plan.run_dir),
     }
 

@@ -388,6 +388,18 @@ def actor_nodes(actors: Actors, timeout_s: float) -> dict[str, str]:
     return {name: wait_for(ref, name, "node lookup", timeout_s) for name, ref in refs.items()}
 
 
+def local_actor_pids(actors: Actors, timeout_s: float) -> list[int]:
+    """Returns the process ids of the actors that run on the caller's node."""
+
+    def process_of(_: Any) -> tuple[str, int]:
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    here = ray.get_runtime_context().get_node_id()
+    refs = {name: handle.__ray_call__.remote(process_of) for name, handle in actors.all()}
+    found = [wait_for(ref, name, "process lookup", timeout_s) for name, ref in refs.items()]
+    return [pid for node, pid in found if node == here]
+
+
 class IngestActor:
     """The ingestion endpoint (rlray.ingest) in its own async actor: posted episodes are
     scored by the run's reward actors, stored by its store and, with ingest.train,

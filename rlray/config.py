@@ -101,8 +101,10 @@ class RolloutConfig:
     """Completion length limit in tokens."""
     temperature: float = 1.0
     """Sampling temperature (the learner scores tokens at the same temperature)."""
-    kv_cache_gib: int = 1
-    """KV-cache size per worker in GiB (vLLM CPU backend; ignored on GPU)."""
+    kv_cache_gib: int = 0
+    """KV-cache size per worker in GiB on vLLM's CPU backend; 0 sizes it to the job:
+    every sequence of a rollout batch at model.max_model_len tokens. Ignored on GPU
+    (see gpu_memory_utilization)."""
     gpu_memory_utilization: float = 0.5
     """Share of GPU memory a GPU rollout worker's vLLM engine may take."""
     enforce_eager: bool = True
@@ -597,7 +599,6 @@ def validate(config: Config) -> None:
         "rollout.prompts_per_batch": r.prompts_per_batch,
         "rollout.samples_per_prompt": r.samples_per_prompt,
         "rollout.max_new_tokens": r.max_new_tokens,
-        "rollout.kv_cache_gib": r.kv_cache_gib,
         "reward.num_workers": config.reward.num_workers,
         "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
@@ -629,6 +630,7 @@ def validate(config: Config) -> None:
         "rollout.temperature": r.temperature,
         "rollout.cpus_per_worker": r.cpus_per_worker,
         "rollout.gpus_per_worker": r.gpus_per_worker,
+        "rollout.kv_cache_gib": r.kv_cache_gib,
         "reward.cpus_per_worker": config.reward.cpus_per_worker,
         "buffer.max_staleness": b.max_staleness,
         "algorithm.vf_coef": a.vf_coef,

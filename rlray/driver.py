@@ -28,6 +28,7 @@ from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
 from rlray.store import StoreStats
 from rlray.telemetry import Telemetry
+from rlray.timing import PhaseClock
 from rlray.tracking import Trackers
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class TrainingDriver:
         self.parity_probe: Any = None  # held so a failed probe is not reported as unhandled
         self.store_writes: list[Any] = []
         self.telemetry = Telemetry(plan.run_id)
+        self.clock = PhaseClock()
 
     # ------------------------------------------------------------------ generation
 
@@ -167,7 +169,7 @@ class TrainingDriver:
         for worker in range(len(self.actors.rollout)):
             if worker in self._busy_workers() or not self._may_generate(worker):
                 continue
-            if not self._call("buffer", self.actors.buffer.reserve.remote(batch_size), "reserve"):
+            if not self._buffer_call(self.actors.buffer.reserve.remote(batch_size), "reserve"):
                 return  # full: producers wait until the learner takes a step
             self._start_batch(worker)
 
@@ -216,8 +218,10 @@ class TrainingDriver:
         pending = generating + [item.score_stats for item in self.in_flight]
         started = time.perf_counter()
         ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout)
+        waited = time.perf_counter() - started
+        self.clock.add("generation" if generating else "scoring", waited)
         if not generating:
-            self.tally.reward_wait_seconds += time.perf_counter() - started
+            self.tally.reward_wait_seconds += waited
         if not ready:
             names = sorted({f"{i.rollout_name}/{i.reward_name}" for i in self.in_flight})
             raise ActorFailure(
@@ -251,7 +255,7 @@ class TrainingDriver:
         )
         self.next_batch_id += 1
         reserved = item.generated.episodes
-        self._call("buffer", self.actors.buffer.add.remote(batch, reserved), "add")
+        self._buffer_call(self.actors.buffer.add.remote(batch, reserved), "add")
         if item.uniform is not None and score.uniform_episodes:
             self._store([[item.uniform]], trained_at=None)  # never trained on, kept
         self.buffered_episodes += batch.num_episodes
@@ -270,8 +274,8 @@ class TrainingDriver:
         per_step = self.config.learner.episodes_per_step
         while True:
             self.fill()
-            taken = self._call(
-                "buffer", self.actors.buffer.take.remote(per_step, self.learner_version), "take"
+            taken = self._buffer_call(
+                self.actors.buffer.take.remote(per_step, self.learner_version), "take"
             )
             if taken is not None:
                 break
@@ -286,8 +290,9 @@ class TrainingDriver:
         if self.actors.ingest is not None:
             self.actors.ingest.set_step.remote(self.learner_version)
         self.fill()  # with max_staleness >= 1 generation overlaps training
-        metrics = self._call("learner", train, "train step")
-        buffer_stats = self._call("buffer", self.actors.buffer.stats.remote(), "stats")
+        with self.clock.phase("training"):
+            metrics = self._call("learner", train, "train step")
+        buffer_stats = self._buffer_call(self.actors.buffer.stats.remote(), "stats")
         tally, self.tally = self.tally, RolloutTally()
         return {
             **metrics_dict(metrics),
@@ -311,6 +316,10 @@ class TrainingDriver:
         The weights are one immutable object, complete before any worker reads it, so
         no worker can load half a version. Returns the wall time of the whole sync and
         the slowest worker's load time."""
+        with self.clock.phase("weight_sync"):
+            return self._sync_weights()
+
+    def _sync_weights(self) -> dict[str, Any]:
         started = time.perf_counter()
         published = self.actors.learner.publish_weights.remote()
         loads = [worker.load_published.remote(published) for worker in self.actors.rollout]
@@ -345,11 +354,16 @@ class TrainingDriver:
     def evaluate(self) -> EvalResult:
         """Returns greedy held-out accuracy, measured on rollout-0 at its current version."""
         ref = self.actors.rollout[0].evaluate.remote(self.plan.eval_rows)
-        return wait_for(ref, self.actors.rollout_names[0], "evaluate", self.timeout)
+        with self.clock.phase("evaluation"):
+            return wait_for(ref, self.actors.rollout_names[0], "evaluate", self.timeout)
 
     def save_checkpoint(self) -> Path:
         """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,
         so a resumed run regenerates whatever was buffered or in flight."""
+        with self.clock.phase("checkpoint"):
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         pending = [item.first_prompt_index for item in self.in_flight]
         oldest_buffered = self._call(
             "buffer", self.actors.buffer.oldest_prompt_index.remote(), "inspect"
@@ -363,6 +377,10 @@ class TrainingDriver:
     def _store(self, batch_refs: list[list[Any]], trained_at: float | None) -> None:
         """Sends batches to the episode store (it fetches them itself); its answers are
         checked later, without holding up the learner."""
+        with self.clock.phase("store"):
+            self._send_to_store(batch_refs, trained_at)
+
+    def _send_to_store(self, batch_refs: list[list[Any]], trained_at: float | None) -> None:
         if batch_refs:
             ref = self.actors.store.append_batches.remote(batch_refs, trained_at, self.timeout)
             self.store_writes.append(ref)
@@ -417,6 +435,10 @@ class TrainingDriver:
 
     def _call(self, actor: str, ref: Any, what: str) -> Any:
         return wait_for(ref, actor, what, self.timeout)
+
+    def _buffer_call(self, ref: Any, what: str) -> Any:
+        with self.clock.phase("buffer"):
+            return self._call("buffer", ref, what)
 
 
 class MetricsLog:

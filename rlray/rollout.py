@@ -61,7 +61,30 @@ class _DropRotaryReloadWarning(logging.Filter):
 
 def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
     """Returns the environment variables a rollout process needs before vLLM is imported."""
-    return {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(rollout.kv_cache_gib)}
+    if rollout.kv_cache_gib > 0:
+        return {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(rollout.kv_cache_gib)}
+    return dict(VLLM_ENV)
+
+
+KV_BLOCK_TOKENS = 16  # vLLM's CPU block size: a sequence may hold one partly used block
+
+
+def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) -> int:
+    """Returns the KV cache that holds every sequence of a rollout batch at
+    model.max_model_len tokens: keys and values of every layer, in the model's dtype.
+
+    Larger batches (an evaluation set bigger than a rollout batch) still run: vLLM
+    schedules them in waves. For the embedded model this is 40 MiB, where a fixed 1 GiB
+    (rlray's earlier default) was allocated and touched, and mostly unused."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    value_bytes = 2 if model.dtype == "bfloat16" else 4
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * value_bytes
+    sequences = rollout.prompts_per_batch * rollout.samples_per_prompt
+    return sequences * (model.max_model_len + KV_BLOCK_TOKENS) * per_token
 
 
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -98,6 +121,8 @@ class RolloutWorker:
         engine_args = {}
         if rollout.gpus_per_worker > 0:
             engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        elif rollout.kv_cache_gib == 0:
+            engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,

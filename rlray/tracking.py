@@ -45,6 +45,8 @@ TAGS: dict[str, str] = {
     "rollout_correction_weight_mean": "sync/rollout_correction_weight_mean",
     "episodes_without_logprobs": "sync/episodes_without_logprobs",
     "elapsed_seconds": "progress/elapsed_seconds",
+    "phase_seconds": "time",
+    "memory_gib": "progress/memory_gib",
     "episodes": "progress/episodes",
     "policy_version": "progress/policy_version",
     "rollout_tokens_per_s": "rollout/tokens_per_s",

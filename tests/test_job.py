@@ -62,6 +62,35 @@ def test_short_run_advances_policy_and_keeps_logprob_parity(five_step_runs):
 
 
 @pytest.mark.slow
+def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_runs):
+    from rlray.timing import PHASES
+
+    root, done = five_step_runs
+    lines = (root / "a" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        split = record["phase_seconds"]
+        assert set(split) == {*PHASES, "other", "total"}
+        assert min(split.values()) >= 0
+        assert sum(v for k, v in split.items() if k != "total") == pytest.approx(split["total"])
+        # Every step syncs (sync_every 1); evaluations and checkpoints land where they ran.
+        assert split["weight_sync"] > 0
+        assert (split["evaluation"] > 0) == (record.get("eval_accuracy") is not None)
+        assert (split["checkpoint"] > 0) == ("checkpoint" in record)
+        assert record["memory_gib"] > 0.3  # at least vLLM's process
+    for record in records[1:]:  # learner steps: some generation, scoring and training
+        assert record["phase_seconds"]["training"] > 0
+        assert record["phase_seconds"]["generation"] + record["phase_seconds"]["scoring"] > 0
+    summary = json.loads((root / "a" / "summary.json").read_text())
+    totals = summary["phase_seconds"]
+    assert totals["training"] == pytest.approx(sum(r["phase_seconds"]["training"] for r in records))
+    assert totals["total"] <= summary["wall_seconds"] + 1.0
+    assert summary["memory_peak_gib"] >= max(r["memory_gib"] for r in records)
+    assert re.search(r"^time: \w+ \d+ s \(\d+%\)", done["a"].stdout, re.M), done["a"].stdout
+    assert re.search(r"^memory: peak \d+\.\d\d GiB", done["a"].stdout, re.M)
+
+
+@pytest.mark.slow
 def test_same_seed_gives_identical_first_five_steps(five_step_runs):
     root, _ = five_step_runs
     first, second = metrics(root / "a"), metrics(root / "b")

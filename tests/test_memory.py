@@ -1,0 +1,89 @@
+"""The run's memory as summed PSS: a child's pages count, shared pages count once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlray.memory import GIB, MemoryMonitor, pss_bytes, total_pss_bytes, with_descendants
+
+MIB = 1024**2
+
+# Touches 256 MiB, then forks: parent and child share those pages copy-on-write.
+TOUCH_AND_FORK = """
+import os, sys
+block = b"x" * (256 << 20)
+if os.fork() == 0:
+    sys.stdin.read()
+    os._exit(0)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def forked_pair():
+    process = subprocess.Popen(
+        [sys.executable, "-c", TOUCH_AND_FORK],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 30
+    while len(with_descendants([process.pid])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    yield process
+    process.stdin.close()
+    process.wait(timeout=30)
+
+
+def test_a_process_tree_counts_its_children_and_shared_pages_once(forked_pair):
+    pids = with_descendants([forked_pair.pid])
+    assert len(pids) == 2  # the parent and its forked child
+    total = total_pss_bytes([forked_pair.pid])
+    # Each holds the 256 MiB block in its resident set; PSS charges half of it to each.
+    assert 256 * MIB <= total < 400 * MIB, total / MIB
+    assert all(pss_bytes(pid) >= 128 * MIB for pid in pids)
+
+
+def test_a_gone_process_has_no_size():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    assert pss_bytes(process.pid) is None
+    assert with_descendants([process.pid]) == set()
+
+
+def test_the_monitor_keeps_the_last_and_the_peak(forked_pair):
+    monitor = MemoryMonitor(lambda: [forked_pair.pid], interval_s=0.1).start()
+    try:
+        deadline = time.monotonic() + 30
+        while monitor.peak_bytes is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        monitor.stop()
+    # This test's process and the forked pair.
+    assert monitor.peak_bytes >= monitor.last_bytes > 256 * MIB
+    assert monitor.peak_bytes < 64 * GIB
+
+
+def test_the_kv_cache_is_sized_to_a_rollout_batch():
+    from rlray.config import Config
+    from rlray.models import resolve_model_path
+    from rlray.rollout import kv_cache_bytes, vllm_env
+
+    config = Config()
+    path = resolve_model_path(config.model.path)
+    # The embedded model: 2 layers, 2 KV heads of 64 dims, float32; keys and values for
+    # 64 prompts x 4 samples at 64 + 16 tokens: 256 * 80 * (2 * 2 * 2 * 64 * 4) bytes.
+    assert kv_cache_bytes(path, config.model, config.rollout) == 256 * 80 * 2048 == 40 * MIB
+    config.model.dtype = "bfloat16"
+    config.rollout.samples_per_prompt = 8
+    assert kv_cache_bytes(path, config.model, config.rollout) == 80 * MIB // 2
+    # A size in GiB still overrides it, through vLLM's CPU environment variable.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(config.rollout)
+    config.rollout.kv_cache_gib = 2
+    assert vllm_env(config.rollout)["VLLM_CPU_KVCACHE_SPACE"] == "2"
