@@ -29,30 +29,12 @@ from rlray.actors import start_actors
 from rlray.config import Config
 from rlray.data import eval_rows, train_prompts
 from rlray.driver import RunPlan, TrainingDriver
-from rlray.models import build_char_tokenizer, resolve_model_path
+from rlray.models import random_char_model, resolve_model_path
 
 
 def build_large_model(out: Path) -> Path:
     """Saves a random ~0.5 GB (fp32) Qwen2: hidden 1024, 8 layers, head_dim 64."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = build_char_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    random_char_model(out, hidden=1024, layers=8, max_positions=64)
     return out
 
 

@@ -31,9 +31,9 @@ from rlray.actors import (
     start_actors,
     start_ingest,
 )
+from rlray.checkpoints import checkpoint_version
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
 from rlray.driver import MetricsLog, RunPlan, TrainingDriver, plan_run, write_config
-from rlray.learner import checkpoint_version
 from rlray.memory import MemoryMonitor, gib
 from rlray.progress import Progress
 from rlray.report import write_report

@@ -14,25 +14,28 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from aiohttp import web
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
+from rlray.checkpoints import checkpoint_version
 from rlray.config import BUILTIN_MODEL, Config, IngestConfig, StoreConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
-from rlray.learner import Learner, StepMetrics, checkpoint_version
 from rlray.models import load_tokenizer
 from rlray.placement import Placement, role_resources
 from rlray.rewards import RewardWorker, ScoreStats
 from rlray.rollout import EvalResult, RolloutWorker, vllm_env
 from rlray.store import StoreStats, mark_trained, open_store
 from rlray.telemetry import Telemetry
-from rlray.weights import PackedWeights, pack_weights, unpack_weights, weights_for_vllm
+
+if TYPE_CHECKING:
+    from rlray.weights import PackedWeights
+from rlray.step_metrics import StepMetrics
 
 
 class ActorFailure(RuntimeError):
@@ -65,17 +68,21 @@ def resolve_episodes(batch_refs: Sequence[list[Any]], timeout_s: float) -> list[
     return [episode for batch in batches for episode in batch]
 
 
-class LearnerActor(Learner):
+class LearnerActor:
     """The Learner, plus what needs Ray: it resolves episode references itself, so
-    episode data goes object store -> learner and never through the driver."""
+    episode data goes object store -> learner and never through the driver. It holds the
+    Learner rather than being one so that this module, which every actor and the driver
+    import, does not import torch (~140 MB of private memory in each process)."""
 
     def __init__(self, run_id: str, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+        from rlray.learner import Learner
+
+        self.learner = Learner(*args, **kwargs)
         self.telemetry = Telemetry(run_id, "learner")
 
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
         """Fetches the referenced episode batches and runs one learner step on them."""
-        metrics = self.train_step(resolve_episodes(batch_refs, timeout_s))
+        metrics = self.learner.train_step(resolve_episodes(batch_refs, timeout_s))
         self.telemetry.set("rlray_reward_mean", metrics.reward_mean)
         self.telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)
         self.telemetry.set("rlray_logprob_parity_error", metrics.logprob_parity_error)
@@ -87,7 +94,22 @@ class LearnerActor(Learner):
         """Returns (version, weights) packed as byte arrays. Returned from an actor method,
         they are stored once in the object store, owned by the caller; rollout workers on
         the same node then read the arrays without a copy."""
-        return self.version, pack_weights(self.published_weights(), self.tied_output)
+        from rlray.weights import pack_weights
+
+        weights = pack_weights(self.learner.published_weights(), self.learner.tied_output)
+        return self.learner.version, weights
+
+    def check_parity(self, episodes: list[Episode]) -> float | None:
+        return self.learner.check_parity(episodes)
+
+    def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
+        return self.learner.logprobs(episodes)
+
+    def save_checkpoint(self, run_dir: str, prompt_cursor: int) -> Path:
+        return self.learner.save_checkpoint(run_dir, prompt_cursor)
+
+    def state(self) -> dict[str, Any]:
+        return self.learner.state()
 
 
 class RolloutActor(RolloutWorker):
@@ -114,6 +136,8 @@ class RolloutActor(RolloutWorker):
     def load_published(self, published: tuple[int, PackedWeights]) -> tuple[int, float]:
         """Loads a published (version, weights) pair in place; returns the version now
         held and the seconds it took."""
+        from rlray.weights import unpack_weights, weights_for_vllm
+
         version, packed = published
         architecture = self.llm.model_config.architecture
         weights = weights_for_vllm(unpack_weights(packed), packed.tied_output, architecture)

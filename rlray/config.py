@@ -99,6 +99,10 @@ class RolloutConfig:
     """Completions sampled per prompt."""
     max_new_tokens: int = 6
     """Completion length limit in tokens."""
+    min_new_tokens: int = 0
+    """Completions may not end (end-of-sequence is masked) before this many tokens, as in
+    vLLM's min_tokens. The learner scores the unmasked policy, so the rollout-learner
+    logprob gap grows; meant for throughput measurements with random-weight models."""
     temperature: float = 1.0
     """Sampling temperature (the learner scores tokens at the same temperature)."""
     kv_cache_gib: int = 0
@@ -175,9 +179,11 @@ class BufferConfig:
 
     capacity_episodes: int = 1024
     """Most episodes the buffer holds; producers wait while it is full."""
-    max_staleness: int = 0
+    max_staleness: int = 1
     """Drop episodes made by a policy more than this many learner updates behind the
-    learner. 0 is strictly on-policy; >= 1 lets generation overlap training."""
+    learner. 0 is strictly on-policy; >= 1 lets generation overlap training, with the
+    rollout correction weighing stale tokens. The default 1 trained the default job in
+    30% less time to the same accuracy as 0 (3 seeds, BENCHMARKS.md)."""
 
 
 @dataclass
@@ -631,6 +637,7 @@ def validate(config: Config) -> None:
         "rollout.cpus_per_worker": r.cpus_per_worker,
         "rollout.gpus_per_worker": r.gpus_per_worker,
         "rollout.kv_cache_gib": r.kv_cache_gib,
+        "rollout.min_new_tokens": r.min_new_tokens,
         "reward.cpus_per_worker": config.reward.cpus_per_worker,
         "buffer.max_staleness": b.max_staleness,
         "algorithm.vf_coef": a.vf_coef,
@@ -659,6 +666,11 @@ def validate(config: Config) -> None:
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{name} must be in [0, 1], got {value}")
     _check_algorithm(config)
+    if r.min_new_tokens > r.max_new_tokens:
+        raise ConfigError(
+            f"rollout.min_new_tokens ({r.min_new_tokens}) must be <= rollout.max_new_tokens "
+            f"({r.max_new_tokens})"
+        )
     if r.temperature == 0:
         raise ConfigError("rollout.temperature must be > 0 (RL needs sampled episodes)")
     _check_batch_sizes(config)

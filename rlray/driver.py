@@ -20,12 +20,13 @@ import yaml
 
 from rlray.actors import ActorFailure, Actors, wait_for
 from rlray.buffer import BufferedBatch
+from rlray.checkpoints import latest_checkpoint
 from rlray.config import Config, ConfigError, config_to_dict
 from rlray.data import PromptRow, PromptSource, check_prompts_fit, eval_rows, train_prompts
-from rlray.learner import latest_checkpoint, metrics_dict
-from rlray.models import load_tokenizer, resolve_model_path
+from rlray.models import prompt_token_counts, resolve_model_path
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
+from rlray.step_metrics import metrics_dict
 from rlray.store import StoreStats
 from rlray.telemetry import Telemetry
 from rlray.timing import PhaseClock
@@ -61,9 +62,8 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
     check_rewards(config.reward.functions, set(prompts.row(0).columns))
     model_path = resolve_model_path(config.model.path)
-    tokenizer = load_tokenizer(model_path)
     for source, rows in (("data.train", prompts.longest_prompts()), ("data.eval", held_out)):
-        counts = [len(ids) for ids in tokenizer([r.prompt for r in rows]).input_ids]
+        counts = prompt_token_counts(model_path, [r.prompt for r in rows])
         check_prompts_fit(
             rows, counts, config.rollout.max_new_tokens, config.model.max_model_len, source
         )

@@ -14,10 +14,9 @@ a corrupted sync) plus staleness.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,56 +24,16 @@ import torch
 
 from rlray import rl_math as rm
 from rlray.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
+from rlray.checkpoints import LATEST
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
 from rlray.episode import Episode
 from rlray.groups import check_whole_groups, group_indexes
 from rlray.models import resolve_model_path
+from rlray.step_metrics import StepMetrics
 from rlray.weights import publishable_weights, tied_output_name
 
-LATEST = "latest"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class StepMetrics:
-    """What one learner step reports (a line of metrics.jsonl, with the driver's part)."""
-
-    step: int
-    policy_version: int
-    episodes: int
-    groups: int
-    reward_mean: float
-    reward_components: dict[str, float]
-    """Mean of each reward component over the episodes it scored."""
-    policy_loss: float
-    clip_fraction: float
-    entropy: float
-    grad_norm: float
-    advantage_abs_mean: float
-    """Mean |advantage| over loss tokens: 0 means nothing was learned from this step."""
-    zero_advantage_share: float
-    """Share of episodes whose advantages are all 0 (e.g. groups that all got one reward)."""
-    value_loss: float | None
-    value_clip_fraction: float | None
-    explained_variance: float | None
-    kl: float | None
-    """Mean KL estimate against the reference (None without one)."""
-    staleness_mean: float
-    logprob_parity_error: float | None
-    """Max |vLLM - learner| logprob over episodes made by the learner's current weights."""
-    rollout_logprob_diff_mean: float | None
-    """Mean |vLLM - learner| logprob over every token with vLLM logprobs (stale too)."""
-    rollout_logprob_diff_max: float | None
-    rollout_ratio_outside_share: float | None
-    """Share of those tokens whose ratio learner / vLLM lies outside [0.5, 2]."""
-    rollout_correction_weight_mean: float
-    episodes_without_logprobs: int
-    """Posted episodes that came without vLLM logprobs: trained at ratio 1."""
-    truncated_share: float
-    learner_tokens_per_s: float
-    learner_seconds: float
-    completion_length_mean: float
 
 
 @dataclass
@@ -392,25 +351,3 @@ def component_means(episodes: list[Episode]) -> dict[str, float]:
             if value is not None:
                 values.setdefault(name, []).append(value)
     return {name: sum(v) / len(v) for name, v in values.items()}
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """Returns the run's most recent complete checkpoint, or None."""
-    pointer = Path(run_dir) / "checkpoints" / LATEST
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
-
-
-def checkpoint_version(checkpoint: str | Path) -> int:
-    """Returns the policy version saved in a checkpoint directory."""
-    return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
-
-
-def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:
-    """Returns the metrics as a JSON-ready dict (NaN becomes None)."""
-    return {
-        k: (None if isinstance(v, float) and math.isnan(v) else v)
-        for k, v in asdict(metrics).items()
-    }

@@ -13,11 +13,13 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from rlray.config import BUILTIN_MODEL, ConfigError
@@ -119,34 +121,61 @@ def build_char_tokenizer():  # -> PreTrainedTokenizerFast
 
 
 def _build_tiny_arithmetic_model(out: Path) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # save_pretrained's bar is noise on every run
-
     recipe = TINY_RECIPE
+    with _single_seed(recipe["seed"]):
+        model, tokenizer = _char_qwen2(
+            recipe["hidden_size"],
+            recipe["intermediate_size"],
+            recipe["num_hidden_layers"],
+            recipe["num_attention_heads"],
+            recipe["max_position_embeddings"],
+        )
+        _warm_start(model, tokenizer)
+    _save(model, tokenizer, out)
+    (out / "rlray_recipe.json").write_text(json.dumps(recipe, indent=2))
+
+
+def random_char_model(
+    out: Path, hidden: int, layers: int, max_positions: int, seed: int = 0
+) -> int:
+    """Saves a random-weight Qwen2 with the character tokenizer (heads of head_dim 64,
+    MLP 4x hidden) into `out`; returns its parameter count. For throughput benchmarks."""
+    with _single_seed(seed):
+        model, tokenizer = _char_qwen2(hidden, 4 * hidden, layers, hidden // 64, max_positions)
+    _save(model, tokenizer, out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _char_qwen2(hidden: int, intermediate: int, layers: int, heads: int, max_positions: int):
+    """Returns a randomly initialised Qwen2ForCausalLM (tied embeddings) and the
+    character tokenizer it reads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=recipe["hidden_size"],
-        intermediate_size=recipe["intermediate_size"],
-        num_hidden_layers=recipe["num_hidden_layers"],
-        num_attention_heads=recipe["num_attention_heads"],
-        num_key_value_heads=recipe["num_attention_heads"],
-        max_position_embeddings=recipe["max_position_embeddings"],
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    with _single_seed(recipe["seed"]):
-        model = Qwen2ForCausalLM(config)
-        _warm_start(model, tokenizer)
+    return Qwen2ForCausalLM(config), tokenizer
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's bar is noise on every run
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "rlray_recipe.json").write_text(json.dumps(recipe, indent=2))
 
 
 @contextlib.contextmanager
@@ -194,6 +223,22 @@ def _warm_start(model, tokenizer) -> None:
         loss.backward()
         optimizer.step()
     model.eval()
+
+
+def prompt_token_counts(path: str, prompts: list[str]) -> list[int]:
+    """Returns each prompt's length in tokens as the model's tokenizer (vLLM's) counts it.
+
+    Counted in a child process: importing transformers imports torch, ~300 MB that the
+    driver would otherwise hold for the whole run. (The tokenizer file alone is not
+    enough: transformers may rebuild a tokenizer by model type, e.g. Qwen2's byte-level
+    pre-tokenizer, and count differently.) Raises ConfigError as load_tokenizer does."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+        return child.submit(_count_tokens, path, prompts).result()
+
+
+def _count_tokens(path: str, prompts: list[str]) -> list[int]:
+    return [len(ids) for ids in load_tokenizer(path)(prompts).input_ids]
 
 
 def load_tokenizer(path: str):  # -> PreTrainedTokenizerBase

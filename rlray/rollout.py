@@ -153,6 +153,7 @@ class RolloutWorker:
                 params.append(
                     SamplingParams(
                         max_tokens=self.rollout.max_new_tokens,
+                        min_tokens=self.rollout.min_new_tokens,
                         temperature=self.rollout.temperature,
                         logprobs=0,
                         seed=sampling_seed(self.seed, index, sample),

@@ -9,8 +9,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A few fast steps: 32 episodes a step in two micro-batches, a small held-out set.
+# A few fast steps: 32 episodes a step in two micro-batches, a small held-out set;
+# strictly on-policy, so that runs repeat step for step (same seed, resume) and every
+# generated batch is trained on. The default overlap (max_staleness 1) has tests of its
+# own (test_job's overlap test, test_actors).
 SHORT_RUN = [
+    "--buffer.max_staleness",
+    "0",
     "--learner.episodes_per_step",
     "32",
     "--rollout.prompts_per_batch",

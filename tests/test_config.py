@@ -225,7 +225,7 @@ def test_missing_config_file_is_named(tmp_path):
         ),
         (
             ["--learner.sync_every", "3"],
-            r"buffer.max_staleness \(0\) must be >= learner.sync_every - 1",
+            r"buffer.max_staleness \(1\) must be >= learner.sync_every - 1",
         ),
         (["--learner.lr", ".inf"], r"^learner.lr must be finite, got inf$"),
         (["--rollout.temperature", ".nan"], r"^rollout.temperature must be finite, got nan$"),

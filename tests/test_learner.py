@@ -10,10 +10,11 @@ import typing
 import pytest
 import torch
 
+from rlray.checkpoints import latest_checkpoint
 from rlray.config import Advantage, Config, PolicyLoss
 from rlray.engine import collate
 from rlray.episode import Episode
-from rlray.learner import Learner, latest_checkpoint
+from rlray.learner import Learner
 from rlray.models import resolve_model_path
 
 PROMPT = "12+34="

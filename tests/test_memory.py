@@ -87,3 +87,26 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(config.rollout)
     config.rollout.kv_cache_gib = 2
     assert vllm_env(config.rollout)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_the_driver_and_small_actors_do_not_import_torch():
+    # Every actor process imports rlray.actors (Ray finds actor classes by module);
+    # torch and transformers would add ~300 MB of private memory to each of them.
+    code = (
+        "import sys, rlray.actors, rlray.driver; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_prompt_lengths_are_counted_as_the_tokenizer_counts_them():
+    from rlray.config import Config
+    from rlray.models import load_tokenizer, prompt_token_counts, resolve_model_path
+
+    path = resolve_model_path(Config().model.path)
+    prompts = ["12+34=", "1+2=", "99 * (3-1) ="]
+    expected = [len(ids) for ids in load_tokenizer(path)(prompts).input_ids]
+    assert expected[:2] == [6, 4]  # one token per character
+    assert prompt_token_counts(path, prompts) == expected  # counted in a child process

@@ -1,0 +1,377 @@
+"""rlray's default job against TRL's GRPOTrainer, side by side, one run after another.
+
+    python benchmarks/vs_trl.py learning                      # held-out accuracy vs time
+    python benchmarks/vs_trl.py learning --trl-lrs 1e-4 3e-4 1e-3 --rlray-lrs 5e-5 1e-4
+    python benchmarks/vs_trl.py throughput                    # random-weight models, no accuracy
+    python benchmarks/vs_trl.py throughput --sizes 0.5M 10M --lengths 64
+
+TRL runs in a virtualenv of its own (TRL_VERSION and this torch's version, created on first
+use under rlray's cache folder); it is never a dependency of rlray. Both sides read the
+same numbers from rlray's default Config: model, prompts in the same order, the 200
+held-out prompts, episodes per step, group size, mini-batches and epochs (4 optimizer
+updates per step), completion length, temperature, fp32 on the CPU.
+
+`learning`: each side trains for --budget-s seconds of training (held-out evaluations are
+timed and subtracted on both sides) at each learning rate given; the best learning rate of
+each side (first to 0.65, then the higher accuracy at the budget) is compared: seconds to
+0.50 / 0.60 / 0.65, accuracy at fixed training times, episodes/s and peak memory (PSS of
+all the run's processes, shared pages counted once), with the ratios.
+
+`throughput`: random-weight Qwen2 models of the embedded model's shape family at about
+0.5M, 10M and 100M parameters, every completion exactly --lengths tokens (end-of-sequence
+masked until then), one optimizer update per step; rlray with 1 and 2 rollout workers
+against TRL. The first step is warm-up and is not counted.
+
+Runs whose result exists under --out are read, not re-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from rlray.config import Config  # noqa: E402
+from rlray.data import eval_rows, train_prompts  # noqa: E402
+from rlray.memory import GIB, total_pss_bytes  # noqa: E402
+from rlray.models import cache_dir, random_char_model, resolve_model_path  # noqa: E402
+
+TRL_VERSION = "1.16.0"
+WALL_TIMES = (25, 50, 100, 150, 200)
+THRESHOLDS = (0.5, 0.6, 0.65)
+# name: (hidden, layers); heads of head_dim 64, MLP 4x hidden, the 20-token character vocab.
+SIZES = {"0.5M": (128, 2), "10M": (256, 12), "100M": (768, 14)}
+
+
+# --- TRL's virtualenv ---------------------------------------------------------------
+
+
+def trl_python() -> Path:
+    """Returns the python of TRL's virtualenv, creating it on first use: TRL_VERSION and
+    the torch version rlray runs (pip takes a local torch wheel where there is one)."""
+    torch_version = importlib.metadata.version("torch").split("+")[0]
+    venv = cache_dir() / "venvs" / f"trl-{TRL_VERSION}-torch-{torch_version}"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", f"import trl; assert trl.__version__ == '{TRL_VERSION}'"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"creating {venv} (TRL {TRL_VERSION}, torch {torch_version})", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    install = ["-m", "pip", "install", "--quiet", f"torch=={torch_version}", f"trl=={TRL_VERSION}"]
+    done = subprocess.run([str(python), *install], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"installing TRL failed:\n{done.stderr[-3000:]}")
+    return python
+
+
+# --- running one side ---------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One run: held-out evaluations (step, episodes, seconds, accuracy), training
+    seconds and episodes over the counted steps, completion tokens, peak memory."""
+
+    evals: list[dict]
+    seconds: float
+    episodes: int
+    tokens: float
+    peak_gib: float | None
+
+    @property
+    def episodes_per_s(self) -> float:
+        return self.episodes / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def time_to(self, accuracy: float) -> float | None:
+        return next((e["seconds"] for e in self.evals if e["accuracy"] >= accuracy), None)
+
+    def accuracy_at(self, seconds: float) -> float | None:
+        seen = [e["accuracy"] for e in self.evals if e["seconds"] <= seconds]
+        return seen[-1] if seen else None
+
+
+def run_measured(command: list[str], log: Path) -> float | None:
+    """Runs a command to its end, sampling the PSS of it and its children every second;
+    returns the peak in GiB. Raises SystemExit with the log's tail if it fails."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(1.0):
+                peak[0] = max(peak[0], total_pss_bytes([process.pid]) or 0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        code = process.wait(timeout=7200)
+        done.set()
+        sampler.join()
+    if code != 0:
+        raise SystemExit(f"{' '.join(command[:3])} ... failed ({code}):\n{log.read_text()[-3000:]}")
+    return peak[0] / GIB if peak[0] else None
+
+
+def run_trl(spec: dict, out: Path) -> Outcome:
+    """Runs TRL's GRPOTrainer on the spec (unless its result exists); returns the outcome."""
+    result = out / "result.json"
+    if not result.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.json").write_text(json.dumps(spec))
+        command = [str(trl_python()), str(REPO / "benchmarks" / "trl_grpo.py")]
+        started = time.perf_counter()
+        peak = run_measured([*command, str(out / "spec.json"), str(result)], out / "log.txt")
+        data = json.loads(result.read_text())
+        data["peak_gib"] = peak
+        result.write_text(json.dumps(data, indent=2))
+        print(f"  trl {out.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    data = json.loads(result.read_text())
+    steps, counted = data["steps"], data["steps"][1:]
+    seconds = counted[-1]["seconds"] - steps[0]["seconds"] if counted else data["seconds"]
+    episodes = len(counted) * spec["episodes_per_step"] if counted else data["episodes"]
+    if spec["eval_every"]:  # learning: every step counts, from the start of training
+        seconds, episodes = data["seconds"], data["episodes"]
+    # Throughput runs mask end-of-sequence, so every completion has max_new_tokens.
+    tokens = episodes * spec["max_new_tokens"] if spec["min_new_tokens"] else 0.0
+    return Outcome(data["evals"], seconds, episodes, tokens, data["peak_gib"])
+
+
+def run_rlray(args: list[str], out: Path, learning: bool) -> Outcome:
+    """Runs jobs/ppo.py with the arguments (unless its summary exists); returns the
+    outcome, its clock being training time without held-out evaluations."""
+    if not (out / "summary.json").is_file():
+        command = [sys.executable, str(REPO / "jobs" / "ppo.py"), *args, "--run-dir", str(out)]
+        out.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        run_measured(command, out.parent / f"{out.name}.log")
+        print(f"  rlray {out.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals, paused, episodes, tokens, start = [], 0.0, 0, 0.0, 0.0
+    for record in records:
+        phases = record.get("phase_seconds", {})
+        paused += phases.get("evaluation", 0.0) + (0.0 if learning else phases.get("checkpoint", 0))
+        seconds = record["elapsed_seconds"] - paused
+        if record["step"] == 1 and not learning:  # warm-up step: the clock starts after it
+            start = seconds
+        elif record["step"] >= 1:
+            episodes += record["episodes"]
+            tokens += record["episodes"] * record["completion_length_mean"]
+        if record.get("eval_accuracy") is not None:
+            evals.append(
+                {"step": record["step"], "seconds": seconds, "accuracy": record["eval_accuracy"]}
+            )
+    return Outcome(evals, seconds - start, episodes, tokens, summary["memory_peak_gib"])
+
+
+# --- learning -----------------------------------------------------------------------
+
+
+def task_spec(config: Config, model_path: str, steps: int) -> dict:
+    """The shape of the default job as numbers TRL's side reads."""
+    prompts = train_prompts(config.data, config.seed)
+    count = steps * config.rollout.prompts_per_batch
+    rows = [prompts.row(i) for i in range(count)]
+    return {
+        "model_path": model_path,
+        "train": [[r.prompt, r.columns["answer"]] for r in rows],
+        "eval": [[r.prompt, r.columns["answer"]] for r in eval_rows(config.data)],
+        "seed": config.seed,
+        "steps": steps,
+        "episodes_per_step": config.learner.episodes_per_step,
+        "group_size": config.rollout.samples_per_prompt,
+        "minibatch_size": config.learner.minibatch_size,
+        "epochs": config.learner.epochs,
+        "max_new_tokens": config.rollout.max_new_tokens,
+        "min_new_tokens": config.rollout.min_new_tokens,
+        "temperature": config.rollout.temperature,
+        "threads": 2,
+        "eval_every": config.learner.eval_every,
+        "budget_s": 0.0,
+        "lr": 0.0,
+    }
+
+
+def best(outcomes: dict[float, Outcome], budget: float) -> float:
+    """The learning rate first to 0.65; where none got there, the most accurate at the
+    budget."""
+    reached = {lr: o.time_to(0.65) for lr, o in outcomes.items() if o.time_to(0.65) is not None}
+    if reached:
+        return min(reached, key=reached.get)
+    return max(outcomes, key=lambda lr: outcomes[lr].accuracy_at(budget) or 0.0)
+
+
+def learning(args: argparse.Namespace) -> None:
+    config = Config(seed=args.seed)
+    model_path = resolve_model_path(config.model.path)
+    trl_spec = task_spec(config, model_path, args.trl_steps)
+    trl, ours = {}, {}
+    for lr in args.trl_lrs:
+        spec = {**trl_spec, "lr": lr, "budget_s": args.budget_s}
+        trl[lr] = run_trl(spec, args.out / f"trl-lr{lr:g}-seed{args.seed}")
+    for lr in args.rlray_lrs:
+        job = ["--seed", str(args.seed), "--learner.lr", str(lr), *args.rlray_args]
+        job += ["--learner.steps", str(args.rlray_steps)]
+        ours[lr] = run_rlray(job, args.out / f"rlray-lr{lr:g}-seed{args.seed}", learning=True)
+    print(tuning_table("TRL GRPOTrainer", trl, args.budget_s))
+    print(tuning_table("rlray default job", ours, args.budget_s))
+    print(comparison(ours[best(ours, args.budget_s)], trl[best(trl, args.budget_s)], args))
+
+
+def tuning_table(name: str, outcomes: dict[float, Outcome], budget: float) -> str:
+    lines = [f"\n{name}, by learning rate:\n", "| lr | to 0.65 (s) | at budget | episodes/s |"]
+    lines.append("|---|---|---|---|")
+    for lr, o in outcomes.items():
+        lines.append(
+            f"| {lr:g} | {fmt(o.time_to(0.65), 0)} | {fmt(o.accuracy_at(budget))} "
+            f"| {o.episodes_per_s:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison(ours: Outcome, trl: Outcome, args: argparse.Namespace) -> str:
+    """The Markdown table of the two best runs and their ratios."""
+    rows = [(f"seconds to {a:.2f}", ours.time_to(a), trl.time_to(a), 0) for a in THRESHOLDS]
+    rows += [(f"accuracy at {t} s", ours.accuracy_at(t), trl.accuracy_at(t), 3) for t in WALL_TIMES]
+    ended = {t for t in WALL_TIMES if t > min(ours.seconds, trl.seconds)}
+    rows += [
+        ("training seconds run", ours.seconds, trl.seconds, 0),
+        ("episodes/s", ours.episodes_per_s, trl.episodes_per_s, 0),
+        ("peak memory (GiB)", ours.peak_gib, trl.peak_gib, 2),
+    ]
+    lines = [
+        "\n| | rlray | TRL | rlray / TRL |",
+        "|---|---|---|---|",
+        *[f"| {name} | {fmt(a, d)} | {fmt(b, d)} | {ratio(a, b)} |" for name, a, b, d in rows],
+    ]
+    if ended:
+        lines.append(
+            "\n(a run that ended before a time shows its last evaluation there: "
+            f"rlray ran {ours.seconds:.0f} s, TRL {trl.seconds:.0f} s)"
+        )
+    return "\n".join(lines)
+
+
+# --- throughput ---------------------------------------------------------------------
+
+
+def throughput(args: argparse.Namespace) -> None:
+    lines = [
+        "\n| model | completion | system | episodes/s | tokens/s | vs TRL | peak GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in args.sizes:
+        for length in args.lengths:
+            model, params = random_model(size, length)
+            results = {
+                f"rlray, {n} rollout worker{'s' * (n > 1)}": throughput_rlray(
+                    model, length, n, args
+                )
+                for n in (1, 2)
+            }
+            results["TRL"] = throughput_trl(model, length, args)
+            for system, o in results.items():
+                lines.append(
+                    f"| {size} ({params / 1e6:.1f}M) | {length} | {system} | "
+                    f"{o.episodes_per_s:.2f} | {o.tokens_per_s:.0f} | "
+                    f"{ratio(o.episodes_per_s, results['TRL'].episodes_per_s)} | "
+                    f"{fmt(o.peak_gib, 2)} |"
+                )
+    print("\n".join(lines))
+
+
+def random_model(size: str, length: int) -> tuple[str, int]:
+    """Returns the directory and parameter count of the random model of that size, with a
+    context window for an arithmetic prompt and `length` completion tokens."""
+    hidden, layers = SIZES[size]
+    positions = length + 16
+    out = cache_dir() / "models" / f"random-qwen2-{size}-ctx{positions}"
+    if not (out / "params.json").is_file():
+        params = random_char_model(out, hidden=hidden, layers=layers, max_positions=positions)
+        (out / "params.json").write_text(json.dumps({"parameters": params}))
+    return str(out), json.loads((out / "params.json").read_text())["parameters"]
+
+
+def throughput_shape(length: int, args: argparse.Namespace) -> list[str]:
+    prompts = args.episodes_per_step // 4
+    return [
+        "--rollout.max_new_tokens", str(length),
+        "--rollout.min_new_tokens", str(length),
+        "--model.max_model_len", str(length + 16),
+        "--rollout.prompts_per_batch", str(prompts),
+        "--learner.episodes_per_step", str(args.episodes_per_step),
+        "--learner.minibatch_size", str(args.episodes_per_step),
+        "--learner.micro_batch_size", str(min(args.episodes_per_step, 16)),
+        "--learner.epochs", "1",
+        "--learner.steps", str(args.throughput_steps),
+        "--learner.eval_every", "1000000",
+        "--learner.checkpoint_every", "1000000",
+        "--data.eval_size", "4",
+    ]  # fmt: skip
+
+
+def throughput_rlray(model: str, length: int, workers: int, args: argparse.Namespace) -> Outcome:
+    job = ["--model.path", model, "--rollout.num_workers", str(workers)]
+    name = f"rlray-{Path(model).name}-len{length}-workers{workers}"
+    return run_rlray([*job, *throughput_shape(length, args)], args.out / name, learning=False)
+
+
+def throughput_trl(model: str, length: int, args: argparse.Namespace) -> Outcome:
+    config = Config()
+    config.rollout.max_new_tokens = config.rollout.min_new_tokens = length
+    config.rollout.prompts_per_batch = args.episodes_per_step // 4
+    config.learner.episodes_per_step = config.learner.minibatch_size = args.episodes_per_step
+    config.learner.epochs, config.learner.eval_every = 1, 0
+    spec = task_spec(config, model, args.throughput_steps)
+    spec.update(lr=config.learner.lr, budget_s=float("inf"))
+    return run_trl(spec, args.out / f"trl-{Path(model).name}-len{length}")
+
+
+# --- formatting and command line ------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "not reached" if value is None else f"{value:.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["learning", "throughput"])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-vs-trl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=200.0, help="training seconds")
+    parser.add_argument("--trl-lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3])
+    parser.add_argument("--trl-steps", type=int, default=1000, help="step limit (budget first)")
+    parser.add_argument("--rlray-lrs", type=float, nargs="+", default=[5e-5])
+    parser.add_argument("--rlray-steps", type=int, default=300, help="steps of the rlray run")
+    parser.add_argument(
+        "--rlray-args", type=shlex.split, default=[], help="more job arguments, one string"
+    )
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--episodes-per-step", type=int, default=32)
+    parser.add_argument("--throughput-steps", type=int, default=3)
+    args = parser.parse_args()
+    learning(args) if args.mode == "learning" else throughput(args)
+
+
+if __name__ == "__main__":
+    main()
