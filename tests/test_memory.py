@@ -89,11 +89,13 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
     assert vllm_env(config.rollout)["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
-def test_the_driver_and_small_actors_do_not_import_torch():
+def test_the_driver_and_small_actors_do_not_import_torch(tmp_path):
     # Every actor process imports rlray.actors (Ray finds actor classes by module);
-    # torch and transformers would add ~300 MB of private memory to each of them.
+    # torch and transformers would add ~300 MB of private memory to each of them. The
+    # driver also writes TensorBoard files all run long.
     code = (
-        "import sys, rlray.actors, rlray.driver; "
+        "import sys, pathlib, rlray.actors, rlray.driver, rlray.tracking; "
+        f"rlray.tracking.Trackers(pathlib.Path({str(tmp_path)!r}), {{}}, 'x', False).close(); "
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
