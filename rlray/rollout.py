@@ -66,16 +66,23 @@ def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
     return dict(VLLM_ENV)
 
 
-KV_BLOCK_TOKENS = 16  # vLLM's CPU block size: a sequence may hold one partly used block
+# vLLM's CPU attention keeps KV in blocks of this many tokens (its CPU default; the
+# kernel takes multiples of 32). Passed explicitly so that kv_cache_bytes counts the
+# same blocks vLLM allocates.
+KV_BLOCK_TOKENS = 128
 
 
 def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) -> int:
     """Returns the KV cache that holds every sequence of a rollout batch at
-    model.max_model_len tokens: keys and values of every layer, in the model's dtype.
+    model.max_model_len tokens, in whole blocks: keys and values of every layer, in the
+    model's dtype.
 
     Larger batches (an evaluation set bigger than a rollout batch) still run: vLLM
-    schedules them in waves. For the embedded model this is 40 MiB, where a fixed 1 GiB
-    (rlray's earlier default) was allocated and touched, and mostly unused."""
+    schedules them in waves. A cache too small for a rollout batch would make vLLM
+    preempt and recompute sequences, which on the CPU build fails for seeded sampling
+    ("CPU Generator does not use offset", vLLM 0.32). For the embedded model this is
+    64 MiB, where a fixed 1 GiB (rlray's earlier default) was allocated and touched,
+    and mostly unused."""
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(model_path).get_text_config()
@@ -84,7 +91,8 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     value_bytes = 2 if model.dtype == "bfloat16" else 4
     per_token = 2 * text.num_hidden_layers * heads * head_dim * value_bytes
     sequences = rollout.prompts_per_batch * rollout.samples_per_prompt
-    return sequences * (model.max_model_len + KV_BLOCK_TOKENS) * per_token
+    blocks = -(-model.max_model_len // KV_BLOCK_TOKENS)  # ceil
+    return sequences * blocks * KV_BLOCK_TOKENS * per_token
 
 
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -121,8 +129,10 @@ class RolloutWorker:
         engine_args = {}
         if rollout.gpus_per_worker > 0:
             engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-        elif rollout.kv_cache_gib == 0:
-            engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
+        else:
+            engine_args["block_size"] = KV_BLOCK_TOKENS
+            if rollout.kv_cache_gib == 0:
+                engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
