@@ -352,6 +352,12 @@ class RayConfig:
     """Longest wait for an actor to start (vLLM engine load included)."""
     call_timeout_s: float = 600.0
     """Longest wait for any one remote call (generate, score, learner step, sync)."""
+    max_actor_restarts: int = 3
+    """Times Ray restarts a dead rollout, reward, buffer or store actor; the batches it
+    held are regenerated, re-scored or restored, never lost or trained on twice."""
+    max_job_restarts: int = 2
+    """Times the run resumes by itself from its last checkpoint after the learner (or
+    its node) dies, before it fails naming the learner."""
 
 
 @dataclass
@@ -646,6 +652,8 @@ def validate(config: Config) -> None:
         "learner.cpus": learner.cpus,
         "learner.gpus": learner.gpus,
         "ray.num_cpus": config.ray.num_cpus,
+        "ray.max_actor_restarts": config.ray.max_actor_restarts,
+        "ray.max_job_restarts": config.ray.max_job_restarts,
         "seed": config.seed,
     }
     for name, value in non_negative.items():
