@@ -3,13 +3,17 @@
 An `Episode` is one prompt, one sampled completion and everything learned about it on
 its way to the learner. `EPISODE_SCHEMA` is its pyarrow schema; `to_table` and
 `from_table` convert without loss (tests/test_episode.py round-trips every field).
+`validate_episodes` checks episodes against the schema (and the model's limits) before
+they are ingested, stored or trained on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -169,3 +173,194 @@ def _span_from_row(row: dict[str, Any]) -> Span:
     for name in ("started_at", "ended_at"):
         row[name] = None if row[name] is None else row[name].timestamp()
     return Span(**row)
+
+
+# ---------------------------------------------------------------- validation
+#
+# One check of an episode, read off EPISODE_SCHEMA: what the store can write (integer
+# widths, float widths, timestamps a reader can turn back into datetimes, valid UTF-8),
+# plus what the schema cannot say (ids not empty, span kinds) and, given the model's
+# limits, what the learner can train on. Ingestion, the store and the learner call it.
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_SECONDS_RANGE = (  # what datetime (and so from_table) can hold: years 1 to 9999
+    (datetime.min.replace(tzinfo=UTC) - _EPOCH).total_seconds(),
+    (datetime.max.replace(tzinfo=UTC) - _EPOCH).total_seconds(),
+)
+
+
+class EpisodeError(ValueError):
+    """An episode the schema or the model cannot take; the message is one line that
+    names the field (`episodes[3].prompt_token_ids[7]: ...`)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the learner's model can take."""
+
+    vocab_size: int
+    """Token ids must be in [0, vocab_size): rows of the model's embedding."""
+    max_model_len: int
+    """Prompt plus completion tokens at most this many (model.max_model_len)."""
+    max_abs_reward: float = 1e15
+    """Largest |reward|. The learner computes in float32 (largest 3.4e38) and whitening
+    sums squared rewards over a step's tokens: 1e15 leaves room for 1e8 tokens."""
+
+
+def validate_episodes(
+    episodes: list[Episode], limits: ModelLimits | None = None, where: str = "episodes"
+) -> None:
+    """Returns None if every episode fits EPISODE_SCHEMA (and, given limits, the model);
+    else raises EpisodeError naming the first bad field of the first bad episode."""
+    for i, episode in enumerate(episodes):
+        validate_episode(episode, limits, f"{where}[{i}]")
+
+
+def validate_episode(
+    episode: Episode, limits: ModelLimits | None = None, where: str = "episode"
+) -> None:
+    """Returns None if the episode fits EPISODE_SCHEMA (and, given limits, the model);
+    else raises EpisodeError naming the bad field."""
+    for f in EPISODE_SCHEMA:
+        value = getattr(episode, f.name)
+        if f.name == "columns":  # stored as JSON text
+            _check_columns(value, f"{where}.columns")
+        else:
+            _check(value, f.type, f.nullable, f"{where}.{f.name}")
+    for name in ("run_id", "episode_id"):
+        if not getattr(episode, name).strip():
+            raise EpisodeError(f"{where}.{name}: empty")
+    for i, span in enumerate(episode.spans):
+        kind = span["kind"] if isinstance(span, dict) else span.kind
+        if kind not in SPAN_KINDS:
+            raise EpisodeError(f"{where}.spans[{i}].kind: expected one of {', '.join(SPAN_KINDS)}")
+    if limits is not None:
+        _check_fits_model(episode, limits, where)
+
+
+def _check_fits_model(episode: Episode, limits: ModelLimits, where: str) -> None:
+    for name in ("prompt_token_ids", "completion_token_ids"):
+        ids = getattr(episode, name)
+        if ids and not (min(ids) >= 0 and max(ids) < limits.vocab_size):
+            i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size)
+            raise EpisodeError(
+                f"{where}.{name}[{i}]: token id {bad} is outside the model's vocabulary "
+                f"(0 to {limits.vocab_size - 1})"
+            )
+    prompt, completion = episode.prompt_token_ids, episode.completion_token_ids
+    if completion and not prompt:
+        raise EpisodeError(f"{where}.prompt_token_ids: empty (a completion needs a prompt)")
+    if len(prompt) + len(completion) > limits.max_model_len:
+        raise EpisodeError(
+            f"{where}.completion_token_ids: {len(prompt)} prompt + {len(completion)} "
+            f"completion tokens exceed the context window (model.max_model_len="
+            f"{limits.max_model_len})"
+        )
+    if episode.reward is not None and abs(episode.reward) > limits.max_abs_reward:
+        raise EpisodeError(
+            f"{where}.reward: {episode.reward:g} is beyond ±{limits.max_abs_reward:g}, "
+            "where the learner's float32 statistics overflow"
+        )
+
+
+def _check(value: Any, dtype: pa.DataType, nullable: bool, where: str) -> None:
+    """Raises EpisodeError unless `value` (in its Episode form) can be written as dtype."""
+    if value is None:
+        if not nullable:
+            raise EpisodeError(f"{where}: missing")
+        return
+    if pa.types.is_string(dtype):
+        _check_string(value, where, nullable)
+    elif pa.types.is_integer(dtype):
+        _check_int(value, dtype, where, nullable)
+    elif pa.types.is_floating(dtype):
+        _check_float(value, dtype, where, nullable)
+    elif pa.types.is_timestamp(dtype):  # Unix seconds in an Episode
+        _check_float(value, pa.float64(), where, nullable)
+        if not _SECONDS_RANGE[0] <= value <= _SECONDS_RANGE[1]:
+            raise EpisodeError(f"{where}: {value:g} is not a time (Unix seconds, years 1 to 9999)")
+    elif pa.types.is_list(dtype):
+        _check_list(value, dtype.value_type, where)
+    elif pa.types.is_map(dtype):
+        if not isinstance(value, dict):
+            raise EpisodeError(_wrong(where, "an object", value, nullable))
+        for key, item in value.items():
+            _check(key, dtype.key_type, False, f"{where} key {key!r}")
+            _check(item, dtype.item_type, dtype.item_field.nullable, f"{where}.{key}")
+    elif pa.types.is_struct(dtype):
+        if not isinstance(value, (dict, Span)):
+            raise EpisodeError(_wrong(where, "an object", value, nullable))
+        for f in dtype:
+            item = value.get(f.name) if isinstance(value, dict) else getattr(value, f.name)
+            _check(item, f.type, f.nullable, f"{where}.{f.name}")
+    else:  # a new column type needs its own check here
+        raise TypeError(f"{where}: no check for arrow type {dtype}")
+
+
+def _check_string(value: Any, where: str, nullable: bool) -> None:
+    if not isinstance(value, str):
+        raise EpisodeError(_wrong(where, "a string", value, nullable))
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, e.g. JSON "\ud800"
+        raise EpisodeError(f"{where}: not valid Unicode ({err.reason})") from None
+
+
+def _check_int(value: Any, dtype: pa.DataType, where: str, nullable: bool) -> None:
+    if type(value) is not int:
+        raise EpisodeError(_wrong(where, "an integer", value, nullable))
+    low, high = _int_range(dtype)
+    if not low <= value <= high:
+        raise EpisodeError(f"{where}: {value} is outside {dtype} ({low} to {high})")
+
+
+def _int_range(dtype: pa.DataType) -> tuple[int, int]:
+    if pa.types.is_signed_integer(dtype):
+        return -(1 << (dtype.bit_width - 1)), (1 << (dtype.bit_width - 1)) - 1
+    return 0, (1 << dtype.bit_width) - 1
+
+
+def _check_float(value: Any, dtype: pa.DataType, where: str, nullable: bool) -> None:
+    if type(value) not in (int, float):
+        raise EpisodeError(_wrong(where, "a number", value, nullable))
+    if not math.isfinite(value):
+        raise EpisodeError(f"{where}: {value} is not finite")
+    if pa.types.is_float32(dtype) and abs(value) > _FLOAT32_MAX:
+        raise EpisodeError(f"{where}: {value:g} is beyond float32's range")
+
+
+def _check_list(values: Any, item_type: pa.DataType, where: str) -> None:
+    if not isinstance(values, list):
+        raise EpisodeError(_wrong(where, "a list", values, False))
+    if _plainly_fits(values, item_type):  # token ids and logprobs: one pass in C
+        return
+    for i, value in enumerate(values):
+        _check(value, item_type, False, f"{where}[{i}]")
+
+
+def _plainly_fits(values: list[Any], item_type: pa.DataType) -> bool:
+    if not values:
+        return True
+    if pa.types.is_integer(item_type):
+        low, high = _int_range(item_type)
+        return all(type(v) is int for v in values) and low <= min(values) and max(values) <= high
+    if pa.types.is_floating(item_type):
+        limit = _FLOAT32_MAX if pa.types.is_float32(item_type) else math.inf
+        numbers = all(type(v) in (int, float) for v in values)
+        return numbers and all(map(math.isfinite, values)) and max(map(abs, values)) <= limit
+    return False
+
+
+def _check_columns(value: Any, where: str) -> None:
+    if not isinstance(value, dict):
+        raise EpisodeError(_wrong(where, "an object", value, False))
+    try:
+        json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise EpisodeError(f"{where}: not JSON ({err})") from None
+
+
+def _wrong(where: str, expected: str, value: Any, nullable: bool) -> str:
+    got = "a boolean" if isinstance(value, bool) else type(value).__name__
+    return f"{where}: expected {expected}{' or null' if nullable else ''}, got {got}"

@@ -26,23 +26,30 @@ from typing import Any
 
 from aiohttp import web
 
-from rlray.episode import SPAN_KINDS, Episode, Span
+from rlray.episode import (
+    Episode,
+    EpisodeError,
+    ModelLimits,
+    Span,
+    validate_episode,
+    validate_episodes,
+)
 
-REQUIRED = {"run_id": str, "episode_id": str, "prompt": str, "completion": str}
-OPTIONAL = {
-    "reward": (int, float, type(None)),
+REQUIRED = ("run_id", "episode_id", "prompt", "completion")
+EXTERNAL_POLICY_VERSION = -1
+"""policy_version of an episode that no rollout worker of this run produced."""
+OPTIONAL = {  # what a client may post besides REQUIRED, and what it defaults to
+    "reward": None,
     "reward_components": dict,
     "columns": dict,
     "spans": list,
-    "policy_version": int,
-    "finish_reason": str,
+    "policy_version": EXTERNAL_POLICY_VERSION,
+    "finish_reason": "stop",
     "prompt_token_ids": list,
     "completion_token_ids": list,
     "rollout_logprobs": list,
-    "generated_at": (int, float),
+    "generated_at": time.time,
 }
-EXTERNAL_POLICY_VERSION = -1
-"""policy_version of an episode that no rollout worker of this run produced."""
 
 
 class IngestError(Exception):
@@ -55,7 +62,7 @@ class IngestError(Exception):
 
 def parse_episodes(body: bytes) -> list[Episode]:
     """Returns the episodes in a request body, or raises IngestError(400) naming the
-    first bad field."""
+    first bad field. Types and ranges are EPISODE_SCHEMA's (rlray.episode.validate_episode)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -74,76 +81,43 @@ def _episode(item: Any, where: str) -> Episode:
     unknown = sorted(set(item) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
         raise IngestError(400, f"{where}.{unknown[0]}: unknown field")
-    for name, kind in REQUIRED.items():
+    for name in REQUIRED:
         if name not in item:
             raise IngestError(400, f"{where}.{name}: missing")
-        _check_type(item[name], kind, f"{where}.{name}")
-    for name, kind in OPTIONAL.items():
-        if name in item:
-            _check_type(item[name], kind, f"{where}.{name}")
-    spans = [_span(span, f"{where}.spans[{i}]") for i, span in enumerate(item.get("spans", []))]
-    components = item.get("reward_components", {})
-    for key, value in components.items():
-        _check_type(value, (int, float, type(None)), f"{where}.reward_components.{key}")
-    return Episode(
-        run_id=item["run_id"],
-        episode_id=item["episode_id"],
+    for i, span in enumerate(item.get("spans") or []):
+        extra = sorted(set(span) - set(Span.__dataclass_fields__)) if isinstance(span, dict) else []
+        if extra:
+            raise IngestError(400, f"{where}.spans[{i}].{extra[0]}: unknown field")
+    values = {
+        name: item[name] if name in item else (default() if callable(default) else default)
+        for name, default in OPTIONAL.items()
+    }
+    episode = Episode(
+        **{name: item[name] for name in REQUIRED},
+        **values,
         prompt_index=-1,
         sample_index=0,
-        prompt=item["prompt"],
-        completion=item["completion"],
-        prompt_token_ids=_ints(item.get("prompt_token_ids", []), f"{where}.prompt_token_ids"),
-        completion_token_ids=_ints(
-            item.get("completion_token_ids", []), f"{where}.completion_token_ids"
-        ),
-        rollout_logprobs=[float(x) for x in item.get("rollout_logprobs", [])],
-        finish_reason=item.get("finish_reason", "stop"),
-        policy_version=item.get("policy_version", EXTERNAL_POLICY_VERSION),
         rollout_worker="ingest",
-        columns=item.get("columns", {}),
-        reward=None if item.get("reward") is None else float(item["reward"]),
-        reward_components={k: None if v is None else float(v) for k, v in components.items()},
-        generated_at=float(item.get("generated_at", time.time())),
-        spans=spans,
     )
+    try:
+        validate_episode(episode, where=where)
+    except EpisodeError as err:
+        raise IngestError(400, str(err)) from None
+    return _as_floats(episode)
 
 
-def _span(item: Any, where: str) -> Span:
-    if not isinstance(item, dict):
-        raise IngestError(400, f"{where}: expected an object")
-    fields = set(Span.__dataclass_fields__)
-    unknown = sorted(set(item) - fields)
-    if unknown:
-        raise IngestError(400, f"{where}.{unknown[0]}: unknown field")
-    if item.get("kind") not in SPAN_KINDS:
-        raise IngestError(400, f"{where}.kind: expected one of {', '.join(SPAN_KINDS)}")
-    if "started_at" not in item:
-        raise IngestError(400, f"{where}.started_at: missing")
-    numbers = {"started_at", "ended_at", "value"}
-    for name, value in item.items():
-        kind = (int, float, type(None)) if name in numbers else (str, type(None))
-        _check_type(value, kind, f"{where}.{name}")
-    return Span(**item)
-
-
-def _check_type(value: Any, kind: Any, where: str) -> None:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise IngestError(400, f"{where}: expected {_names(kinds)}, got a boolean")
-    if not isinstance(value, kinds):
-        raise IngestError(400, f"{where}: expected {_names(kinds)}, got {type(value).__name__}")
-
-
-def _names(kinds: tuple[type, ...]) -> str:
-    words = {str: "a string", int: "an integer", float: "a number", dict: "an object"}
-    words |= {list: "a list", type(None): "null"}
-    return " or ".join(dict.fromkeys(words.get(k, k.__name__) for k in kinds))
-
-
-def _ints(values: list[Any], where: str) -> list[int]:
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise IngestError(400, f"{where}: expected a list of integers")
-    return values
+def _as_floats(episode: Episode) -> Episode:
+    """Returns the validated episode with its numbers as the Episode type has them
+    (JSON's 1 is a float reward) and its spans as Spans."""
+    if episode.reward is not None:
+        episode.reward = float(episode.reward)
+    episode.reward_components = {
+        k: None if v is None else float(v) for k, v in episode.reward_components.items()
+    }
+    episode.rollout_logprobs = [float(x) for x in episode.rollout_logprobs]
+    episode.generated_at = float(episode.generated_at)
+    episode.spans = [Span(**span) for span in episode.spans]
+    return episode
 
 
 @dataclass
@@ -157,6 +131,7 @@ class IngestCounts:
 Score = Callable[[list[Episode]], Awaitable[list[Episode]]]
 Store = Callable[[list[Episode]], Awaitable[None]]
 Enqueue = Callable[[list[Episode]], Awaitable[set[str]]]
+Tokenize = Callable[[list[Episode]], None]
 
 
 class IngestService:
@@ -165,11 +140,24 @@ class IngestService:
     `score`, `store` and `enqueue` are the run's reward, store and buffer, as async
     callables (actor calls in a job, plain objects in tests). `enqueue` returns the ids it
     queued for training: those reach the store from the buffer, with the time they were
-    trained on, like the run's own episodes; the rest are stored here."""
+    trained on, like the run's own episodes; the rest are stored here.
 
-    def __init__(self, token: str, score: Score, store: Store, enqueue: Enqueue | None):
+    With `limits` (the run's model), token ids must be in its vocabulary and prompt plus
+    completion within its context window; `tokenize`, if given, first fills in the token
+    ids of episodes posted without them."""
+
+    def __init__(
+        self,
+        token: str,
+        score: Score,
+        store: Store,
+        enqueue: Enqueue | None,
+        limits: ModelLimits | None = None,
+        tokenize: Tokenize | None = None,
+    ):
         self.token = token
         self.score, self.store, self.enqueue = score, store, enqueue
+        self.limits, self.tokenize = limits, tokenize
         self.seen: set[str] = set()
         self.counts = IngestCounts()
 
@@ -184,6 +172,13 @@ class IngestService:
     async def ingest(self, body: bytes) -> dict[str, int]:
         """Handles one POST body; returns what happened to its episodes."""
         episodes = parse_episodes(body)
+        if self.tokenize is not None:
+            self.tokenize(episodes)
+        if self.limits is not None:
+            try:
+                validate_episodes(episodes, self.limits)
+            except EpisodeError as err:
+                raise IngestError(400, str(err)) from None
         fresh = [e for e in _unique(episodes) if e.episode_id not in self.seen]
         duplicates = len(episodes) - len(fresh)
         self.seen.update(e.episode_id for e in fresh)  # claimed before any await

@@ -1,8 +1,21 @@
-"""The episode type round-trips through its pyarrow schema without loss."""
+"""The episode type round-trips through its pyarrow schema without loss, and its one
+validation names every value the schema or the model cannot take."""
+
+import re
 
 import pyarrow as pa
+import pytest
 
-from rlray.episode import EPISODE_SCHEMA, Episode, Span, from_table, to_table
+from rlray.episode import (
+    EPISODE_SCHEMA,
+    Episode,
+    EpisodeError,
+    ModelLimits,
+    Span,
+    from_table,
+    to_table,
+    validate_episodes,
+)
 
 
 def make_episode(**overrides) -> Episode:
@@ -48,3 +61,84 @@ def test_every_field_round_trips():
 def test_schema_covers_every_episode_field():
     assert set(EPISODE_SCHEMA.names) == set(Episode.__dataclass_fields__)
     assert EPISODE_SCHEMA.field("rollout_logprobs").type == pa.list_(pa.float32())
+
+
+LIMITS = ModelLimits(vocab_size=20, max_model_len=16)
+
+
+def test_a_valid_episode_passes_the_schema_and_the_model():
+    validate_episodes([make_episode()], LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"prompt_token_ids": [4, 2**31]},
+            "episodes[0].prompt_token_ids[1]: 2147483648 is outside int32",
+        ),
+        (
+            {"completion_token_ids": [-(2**31) - 1]},
+            "completion_token_ids[0]: -2147483649 is outside int32",
+        ),
+        (
+            {"policy_version": 2**63},
+            "episodes[0].policy_version: 9223372036854775808 is outside int64",
+        ),
+        ({"sample_index": 2**40}, "episodes[0].sample_index: 1099511627776 is outside int32"),
+        ({"generated_at": 1e300}, "episodes[0].generated_at: 1e+300 is not a time"),
+        ({"scored_at": float("nan")}, "episodes[0].scored_at: nan is not finite"),
+        ({"reward": float("nan")}, "episodes[0].reward: nan is not finite"),
+        ({"reward": float("inf")}, "episodes[0].reward: inf is not finite"),
+        (
+            {"reward_components": {"judge": float("nan")}},
+            "reward_components.judge: nan is not finite",
+        ),
+        ({"rollout_logprobs": [-0.5, 1e39, 0.0]}, "rollout_logprobs[1]: 1e+39 is beyond float32"),
+        ({"rollout_logprobs": [float("-inf")]}, "rollout_logprobs[0]: -inf is not finite"),
+        ({"run_id": ""}, "episodes[0].run_id: empty"),
+        ({"episode_id": "  "}, "episodes[0].episode_id: empty"),
+        ({"prompt": "\ud800"}, "episodes[0].prompt: not valid Unicode"),
+        (
+            {"prompt_token_ids": [1, True]},
+            "prompt_token_ids[1]: expected an integer, got a boolean",
+        ),
+        ({"completion": None}, "episodes[0].completion: missing"),
+        ({"columns": {"x": {1, 2}}}, "episodes[0].columns: not JSON"),
+        ({"spans": [Span("dream", 1.0)]}, "episodes[0].spans[0].kind: expected one of"),
+        ({"spans": [Span("reward", 1e20)]}, "episodes[0].spans[0].started_at: 1e+20 is not a time"),
+    ],
+)
+def test_values_the_schema_cannot_hold_are_named(overrides, message):
+    bad = make_episode(**overrides)
+    with pytest.raises(EpisodeError) as caught:
+        validate_episodes([make_episode(), bad])
+    assert str(caught.value).startswith("episodes[1].")
+    assert message.split(".", 1)[-1] in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"completion_token_ids": [7, 20]},
+            "completion_token_ids[1]: token id 20 is outside the model's vocabulary (0 to 19)",
+        ),
+        (
+            {"prompt_token_ids": [-1]},
+            "prompt_token_ids[0]: token id -1 is outside the model's vocabulary",
+        ),
+        (
+            {"completion_token_ids": [7] * 11},
+            "6 prompt + 11 completion tokens exceed the context window (model.max_model_len=16)",
+        ),
+        ({"prompt_token_ids": [], "completion_token_ids": [7]}, "prompt_token_ids: empty"),
+        ({"reward": 1e308}, "episodes[0].reward: 1e+308 is beyond ±1e+15"),
+    ],
+)
+def test_episodes_the_model_cannot_take_are_named(overrides, message):
+    bad = make_episode(**overrides)
+    validate_episodes([bad])  # the schema holds it; the model does not
+    with pytest.raises(EpisodeError, match=re.escape(message)):
+        validate_episodes([bad], LIMITS)

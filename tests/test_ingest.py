@@ -15,8 +15,9 @@ from aiohttp import web
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer
 from rlray.config import Config, ConfigError, RewardSpec, validate
+from rlray.episode import ModelLimits
 from rlray.episodes import read
-from rlray.ingest import IngestService, make_app
+from rlray.ingest import IngestError, IngestService, make_app
 from rlray.rewards import RewardWorker
 from rlray.store import EpisodeStore
 from tests.conftest import free_port
@@ -139,13 +140,13 @@ def test_a_retried_post_is_neither_stored_nor_queued_twice(endpoint):
         (
             json.dumps(episode("e", reward="high")),
             400,
-            "episodes[0].reward: expected an integer or a number or null, got str",
+            "episodes[0].reward: expected a number or null, got str",
         ),
         (json.dumps(episode("e", prompt=7)), 400, "episodes[0].prompt: expected a string, got int"),
         (
             json.dumps(episode("e", reward=True)),
             400,
-            "episodes[0].reward: expected an integer or a number or null, got a boolean",
+            "episodes[0].reward: expected a number or null, got a boolean",
         ),
         (json.dumps(episode("e", colour="red")), 400, "episodes[0].colour: unknown field"),
         (
@@ -205,3 +206,83 @@ def test_binding_beyond_loopback_needs_a_token(monkeypatch):
         validate(config)
     monkeypatch.setenv("RLRAY_INGEST_TOKEN", "t")
     validate(config)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"prompt_token_ids": [1, 2**31]},
+            "episodes[0].prompt_token_ids[1]: 2147483648 is outside int32",
+        ),
+        (
+            {"policy_version": 2**63},
+            "episodes[0].policy_version: 9223372036854775808 is outside int64",
+        ),
+        ({"generated_at": 1e300}, "episodes[0].generated_at: 1e+300 is not a time"),
+        ({"reward": float("nan")}, "episodes[0].reward: nan is not finite"),
+        (
+            {"reward_components": {"judge": float("inf")}},
+            "reward_components.judge: inf is not finite",
+        ),
+        (
+            {"rollout_logprobs": [-1e40]},
+            "episodes[0].rollout_logprobs[0]: -1e+40 is beyond float32",
+        ),
+        ({"episode_id": ""}, "episodes[0].episode_id: empty"),
+        ({"run_id": " "}, "episodes[0].run_id: empty"),
+        (
+            {"spans": [{"kind": "reward", "started_at": 1, "colour": 2}]},
+            "spans[0].colour: unknown field",
+        ),
+        ({"spans": ["x"]}, "episodes[0].spans[0]: expected an object, got str"),
+    ],
+)
+def test_values_the_store_or_learner_would_crash_on_get_a_400(endpoint, fields, message):
+    # json.dumps writes NaN and Infinity, as some clients do; Python's json reads them.
+    status, answer = post(endpoint, episode("p", reward=1.0) | fields)
+    assert status == 400 and message in answer["error"], answer
+    assert endpoint.service.counts.accepted == 0 and endpoint.store.stats().buffered == 0
+
+
+def test_a_lone_surrogate_gets_a_400(endpoint):
+    body = json.dumps(episode("s", reward=1.0)).replace('"2+2="', '"\\ud800"').encode()
+    status, answer = request(f"{endpoint.url}/v1/episodes", body)
+    assert (status, answer["error"]) == (
+        400,
+        "episodes[0].prompt: not valid Unicode (surrogates not allowed)",
+    )
+
+
+def test_episodes_the_model_cannot_take_get_a_400():
+    stored = []
+
+    async def save(episodes):
+        stored.extend(episodes)
+
+    def tokenize(episodes):  # a character tokenizer: one token per character
+        for e in episodes:
+            e.prompt_token_ids = e.prompt_token_ids or [ord(c) % 50 for c in e.prompt]
+
+    limits = ModelLimits(vocab_size=50, max_model_len=8)
+    service = IngestService("", None, save, None, limits=limits, tokenize=tokenize)
+    ok = episode("ok", reward=1.0, completion_token_ids=[3, 4])
+    asyncio.run(service.ingest(json.dumps(ok).encode()))
+    cases = [
+        (
+            episode("v", reward=1.0, completion_token_ids=[3, 50]),
+            "episodes[0].completion_token_ids[1]: token id 50 is outside the model's "
+            "vocabulary (0 to 49)",
+        ),
+        (
+            episode("w", reward=1.0, completion_token_ids=[3] * 5),
+            "episodes[0].completion_token_ids: 4 prompt + 5 completion tokens exceed the "
+            "context window (model.max_model_len=8)",
+        ),
+        (episode("r", reward=1e300), "episodes[0].reward: 1e+300 is beyond ±1e+15"),
+    ]
+    for body, message in cases:
+        with pytest.raises(IngestError) as caught:
+            asyncio.run(service.ingest(json.dumps(body).encode()))
+        assert caught.value.status == 400 and str(caught.value).startswith(message)
+    assert [e.episode_id for e in stored] == ["ok"]
