@@ -11,6 +11,7 @@ episode references, recording Ray metrics), and turns a dead or stuck actor into
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,13 @@ from rlray.step_metrics import StepMetrics
 
 
 class ActorFailure(RuntimeError):
-    """A remote call failed or timed out; the message names the actor and its last error."""
+    """A remote call failed or timed out; the message names the actor and its last error.
+    `died` is True when the actor's process (or node) died, False for an error raised by
+    the call or a timeout."""
+
+    def __init__(self, message: str, died: bool = False):
+        super().__init__(message)
+        self.died = died
 
 
 def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
@@ -51,7 +58,8 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
     except RayTaskError as err:
         raise ActorFailure(f"{actor}: {what} failed: {_last_line(err)}") from err
     except RayActorError as err:
-        raise ActorFailure(f"{actor} died during {what}: {_last_line(err)}") from err
+        message = f"{actor} died during {what}: {_last_line(err)}"
+        raise ActorFailure(message, died=True) from err
 
 
 def _last_line(err: Exception) -> str:
@@ -203,6 +211,10 @@ class Actors:
     ingest: Any = None
     placement: Placement | None = None
 
+    def handle(self, name: str) -> Any:
+        """Returns the handle of the actor called `name`."""
+        return dict(self.all())[name]
+
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
         singles = [
@@ -224,6 +236,20 @@ class Actors:
             ray.kill(handle, no_restart=True)
         if self.placement is not None:
             self.placement.release()
+        _wait_until_names_free([name for name, _ in self.all()], timeout_s=60)
+
+
+def _wait_until_names_free(names: list[str], timeout_s: float) -> None:
+    """Waits until killed actors' names can be taken again (a run that resumes in the
+    same job starts actors with the same names)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            time.sleep(0.2)
 
 
 class StoreActor:
@@ -235,18 +261,21 @@ class StoreActor:
         self.upload_timeout_s = config.upload_timeout_s
 
     def append_batches(
-        self, batch_refs: list[list[Any]], trained_at: float | None, timeout_s: float
+        self,
+        batch_refs: list[list[Any]],
+        trained_at: float | None,
+        timeout_s: float,
+        key: str | None = None,
     ) -> int:
-        """Stores the referenced batches (trained_at None: never trained on); returns
-        how many episodes that was."""
+        """Stores the referenced batches (trained_at None: never trained on) as the append
+        `key` (a retry with the same key stores nothing); returns how many episodes were
+        added."""
         episodes = mark_trained(resolve_episodes(batch_refs, timeout_s), trained_at)
-        self.store.append(episodes)
-        return len(episodes)
+        return self.store.append(episodes, key)
 
-    def append_episodes(self, episodes: list[Episode]) -> int:
+    def append_episodes(self, episodes: list[Episode], key: str | None = None) -> int:
         """Stores episodes given by value (the ingestion endpoint's); returns the count."""
-        self.store.append(episodes)
-        return len(episodes)
+        return self.store.append(episodes, key)
 
     def close(self) -> tuple[StoreStats, list[str]]:
         """Writes what is buffered, waits for uploads; returns stats and the files left
@@ -322,14 +351,14 @@ def start_actors(
         ],
         reward_names=reward_names,
         store=ray.remote(StoreActor)
-        .options(name="store", num_cpus=0)
+        .options(name="store", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
         .remote(config.store, config.run_dir, run_id),
         placement=placement,
     )
     if train:
         actors.buffer = (
             ray.remote(BufferActor)
-            .options(name="buffer", num_cpus=0)
+            .options(name="buffer", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
             .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
         )
         options = placement.actor_options("learner", 0)
@@ -358,7 +387,12 @@ def _start_rollout_workers(
     env = {"env_vars": vllm_env(config.rollout)}
     return [
         ray.remote(RolloutActor)
-        .options(name=name, runtime_env=env, **placement.actor_options("rollout", i))
+        .options(
+            name=name,
+            runtime_env=env,
+            max_restarts=config.ray.max_actor_restarts,
+            **placement.actor_options("rollout", i),
+        )
         .remote(name, rollout_model, config.model, config.rollout, run_id, config.seed + i, version)
         for i, name in enumerate(names)
     ]
@@ -368,7 +402,7 @@ def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) 
     reward = config.reward
     return (
         ray.remote(RewardActor)
-        .options(name=name, **options)
+        .options(name=name, max_restarts=config.ray.max_actor_restarts, **options)
         .remote(run_id, name, reward.functions, reward.on_failure, reward.batch_size)
     )
 

@@ -107,6 +107,16 @@ class EpisodeBuffer:
                 kept.append(batch)
         self._batches = kept
 
+    def restore(self, batches: list[BufferedBatch], reserved_episodes: int) -> None:
+        """Refills a buffer that was restarted empty with what its producer knows it held
+        (batches added and not yet taken, in order) and had reserved."""
+        if self._batches or self.reserved_episodes:
+            raise RuntimeError("restore is for an empty, freshly started buffer")
+        self._batches = deque(batches)
+        self.depth_episodes = sum(b.num_episodes for b in batches)
+        self.added_episodes = self.depth_episodes
+        self.reserved_episodes = reserved_episodes
+
     def drain(self) -> list[BufferedBatch]:
         """Removes and returns every held batch (the end of a run: they go to the store
         untrained)."""

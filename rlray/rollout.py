@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -174,15 +175,20 @@ class RolloutWorker:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
         now = time.time()
+        # Ids are unique per generation attempt: a batch regenerated after a failure, or
+        # by a resumed run, gets new ones, so the store never holds one id twice.
+        attempt = uuid.uuid4().hex[:8]
         episodes = [
-            self._episode(row, index, sample, output, now)
+            self._episode(row, index, sample, output, now, attempt)
             for (row, index, sample), output in zip(keys, outputs, strict=True)
         ]
         tokens = sum(len(e.completion_token_ids) for e in episodes)
         stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
         return episodes, stats
 
-    def _episode(self, row: PromptRow, index: int, sample: int, output, now: float) -> Episode:
+    def _episode(
+        self, row: PromptRow, index: int, sample: int, output, now: float, attempt: str
+    ) -> Episode:
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [
@@ -190,7 +196,7 @@ class RolloutWorker:
         ]
         return Episode(
             run_id=self.run_id,
-            episode_id=f"{self.run_id}-{index}-{sample}",
+            episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
             prompt_index=index,
             sample_index=sample,
             prompt=row.prompt,

@@ -1,29 +1,40 @@
 """EpisodeStore: every episode of a run, appended to Parquet files in batches.
 
-Files are partitioned by run and date, `<root>/run=<run_id>/date=<YYYY-MM-DD>/part-*.parquet`
-(hive style, so pyarrow.dataset reads them back with those two columns). Rows are
-buffered and written `rows_per_file` at a time (or when `flush_every_s` has passed), never
-a file per episode; each file is written under a temporary name and renamed, so a reader
-never sees half a file. With an S3 (or pre-signed URL) sink the finished files go to the
-uploader, which ships them off the training path and keeps them in a local spool until
-they are uploaded.
+Files are partitioned by each episode's run and the date,
+`<root>/run=<run_id>/date=<YYYY-MM-DD>/part-*.parquet` (hive style, run ids URI-encoded,
+so pyarrow.dataset reads them back with those two columns). Rows are buffered and written
+once `rows_per_file` have gathered (or `flush_every_s` has passed), never a file per
+episode; each file is written under a temporary name and renamed, so a reader never sees
+half a file. With an S3 (or pre-signed URL) sink the finished files go to the uploader,
+which ships them off the training path and keeps them in a local spool until they are
+uploaded.
+
+With a journal (the `store` actor always has one) an append is on disk before it returns:
+if the store's process dies, the restarted store finds the appended rows not yet in a file
+and writes them, under the same file names a finished write would have used, so a write
+cut short is redone, not doubled. Appends carry a key; an append retried after the store
+died (its first answer lost) is recognised by the key and stored once.
 
 A plain class: tests use it in-process; rlray.actors runs it as the `store` actor.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import quote
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlray.config import StoreConfig
-from rlray.episode import Episode, to_table
+from rlray.episode import Episode, from_table, to_table
 
 
 class Uploader(Protocol):
@@ -42,6 +53,64 @@ class StoreStats:
     uploads_pending: int
 
 
+class Journal:
+    """The appends a store has not yet written to files, on disk, one Arrow IPC file each:
+    `<seq>-<key>.arrow` (written under a temporary name, then renamed). `keys` lists the
+    keys of appends already written to files. Survives the death of the process, not of
+    the machine (no fsync)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._written_keys = self.directory / "keys"
+        self.keys = (
+            set(self._written_keys.read_text().split()) if self._written_keys.exists() else set()
+        )
+        self.pending = sorted(self.directory.glob("*.arrow"))
+        self.keys.update(_JOURNAL_NAME.fullmatch(path.name)[2] for path in self.pending)
+        self._next_seq = int(self.pending[-1].name.split("-")[0]) + 1 if self.pending else 0
+        for path in self.directory.glob("*.tmp"):
+            path.unlink()  # an append cut short: it never returned, its caller retries
+
+    def recover(self) -> list[Episode]:
+        """Returns the episodes of every pending append, in append order."""
+        return [e for path in self.pending for e in from_table(_read_ipc(path))]
+
+    def record(self, key: str, episodes: list[Episode]) -> None:
+        """Writes one append; after it returns the episodes survive this process."""
+        if not re.fullmatch(r"[\w.-]{1,100}", key):
+            raise ValueError(f"store append key must be 1-100 word characters, got {key!r}")
+        final = self.directory / f"{self._next_seq:012d}-{key}.arrow"
+        staging = final.with_name(final.name + ".tmp")
+        table = to_table(episodes)
+        with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+            out.write_table(table)
+        os.replace(staging, final)
+        self._next_seq += 1
+        self.pending.append(final)
+        self.keys.add(key)
+
+    def first_pending_seq(self) -> int:
+        return int(self.pending[0].name.split("-")[0])
+
+    def written(self) -> None:
+        """Marks every pending append as written to files: keys first, then deletes."""
+        keys = [_JOURNAL_NAME.fullmatch(path.name)[2] for path in self.pending]
+        with self._written_keys.open("a") as out:
+            out.write("".join(f"{key}\n" for key in keys))
+        for path in self.pending:
+            path.unlink()
+        self.pending = []
+
+
+_JOURNAL_NAME = re.compile(r"(\d{12})-([\w.-]+)\.arrow")
+
+
+def _read_ipc(path: Path) -> pa.Table:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
 class EpisodeStore:
     """Buffers episodes and writes them as Parquet files under `root`."""
 
@@ -52,43 +121,61 @@ class EpisodeStore:
         rows_per_file: int = 2048,
         flush_every_s: float = 60.0,
         uploader: Uploader | None = None,
+        journal_dir: Path | None = None,
     ):
         self.root = Path(root)
         self.run_id = run_id
         self.rows_per_file = rows_per_file
         self.flush_every_s = flush_every_s
         self.uploader = uploader
-        self._buffer: list[Episode] = []
+        self.journal = Journal(journal_dir) if journal_dir is not None else None
+        self._buffer: list[Episode] = self.journal.recover() if self.journal else []
+        self.recovered = len(self._buffer)
+        """Episodes an earlier process of this store appended but had not written."""
         self._last_flush = time.monotonic()
         self.episodes_written = 0
         self.files_written = 0
 
-    def append(self, episodes: list[Episode]) -> None:
-        """Buffers the episodes; writes a file once enough rows or time have gathered."""
+    def append(self, episodes: list[Episode], key: str | None = None) -> int:
+        """Buffers the episodes (journaled under `key` if the store has a journal); writes
+        files once enough rows or time have gathered. Returns how many episodes were
+        added: 0 for a key appended before."""
+        if self.journal is not None:
+            key = key or uuid.uuid4().hex
+            if key in self.journal.keys:
+                return 0
+            self.journal.record(key, episodes)
         self._buffer.extend(episodes)
-        while len(self._buffer) >= self.rows_per_file:
-            self._write_file(self._take(self.rows_per_file))
-        if self._flush_due():
+        if len(self._buffer) >= self.rows_per_file or self._flush_due():
             self.flush()
+        return len(episodes)
 
     def _flush_due(self) -> bool:
         return time.monotonic() - self._last_flush >= self.flush_every_s
 
     def flush(self) -> list[Path]:
         """Writes every buffered episode now; returns the files written."""
+        if not self._buffer:
+            self._last_flush = time.monotonic()
+            return []
         written = []
-        while self._buffer:
-            written.append(self._write_file(self._take(self.rows_per_file)))
+        # With a journal, names depend only on what is written, so redoing a flush that
+        # a dead process started replaces its files instead of adding copies.
+        stamp = f"j{self.journal.first_pending_seq():012d}" if self.journal else _file_stamp()
+        for chunk_index, start in enumerate(range(0, len(self._buffer), self.rows_per_file)):
+            chunk = self._buffer[start : start + self.rows_per_file]
+            for run_id, episodes in _by_run(chunk).items():
+                written.append(self._write_file(run_id, episodes, f"{stamp}-{chunk_index:04d}"))
+        self._buffer = []
+        if self.journal is not None and self.journal.pending:
+            self.journal.written()
         self._last_flush = time.monotonic()
         return written
 
-    def _take(self, count: int) -> list[Episode]:
-        rows, self._buffer = self._buffer[:count], self._buffer[count:]
-        return rows
-
-    def _write_file(self, episodes: list[Episode]) -> Path:
+    def _write_file(self, run_id: str, episodes: list[Episode], name: str) -> Path:
         date = datetime.now(UTC).strftime("%Y-%m-%d")
-        relative = Path(f"run={self.run_id}", f"date={date}", f"part-{_file_stamp()}.parquet")
+        run = quote(run_id, safe="")
+        relative = Path(f"run={run}", f"date={date}", f"part-{name}.parquet")
         final = self.root / relative
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.with_name(f".{final.name}.tmp")
@@ -115,6 +202,14 @@ class EpisodeStore:
         return StoreStats(self.episodes_written, self.files_written, len(self._buffer), pending)
 
 
+def _by_run(episodes: list[Episode]) -> dict[str, list[Episode]]:
+    """Groups episodes by their own run id, in order (posted episodes keep theirs)."""
+    groups: dict[str, list[Episode]] = {}
+    for episode in episodes:
+        groups.setdefault(episode.run_id, []).append(episode)
+    return groups
+
+
 def _file_stamp() -> str:
     # Sortable by time, unique across processes writing the same partition.
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
@@ -137,4 +232,11 @@ def open_store(config: StoreConfig, run_dir: Path, run_id: str) -> EpisodeStore:
         uploader = make_uploader(config, spool_dir=run_dir / "episode-spool")
     else:
         root, uploader = Path(config.path or run_dir / "episodes"), None
-    return EpisodeStore(root, run_id, config.rows_per_file, config.flush_every_s, uploader)
+    return EpisodeStore(
+        root,
+        run_id,
+        config.rows_per_file,
+        config.flush_every_s,
+        uploader,
+        journal_dir=run_dir / "episode-journal",
+    )

@@ -76,3 +76,18 @@ def test_strict_on_policy_is_staleness_zero_on_the_same_path():
     taken = buffer.take(4, learner_version=1)
     assert [b.batch_id for b in taken.batches] == [1]
     assert buffer.stats()["dropped_stale"] == 4
+
+
+def test_a_restarted_buffer_restored_by_its_producer_continues_where_it_stopped():
+    buffer = EpisodeBuffer(capacity_episodes=12, max_staleness=0)
+    assert buffer.reserve(4) and buffer.reserve(4) and buffer.reserve(4)
+    buffer.add(batch(0, batch_id=0))
+    buffer.add(batch(0, batch_id=1))
+    restarted = EpisodeBuffer(capacity_episodes=12, max_staleness=0)
+    restarted.restore([batch(0, batch_id=0), batch(0, batch_id=1)], reserved_episodes=4)
+    assert not restarted.reserve(1)  # the batch still in flight keeps its room
+    restarted.add(batch(0, batch_id=2))
+    taken = restarted.take(12, learner_version=0)
+    assert [b.batch_id for b in taken.batches] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="freshly started"):
+        buffer.restore([], 0)

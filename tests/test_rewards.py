@@ -46,12 +46,25 @@ def wrong_length(prompts, completions, **kwargs):
     return [1.0]
 
 
-CALL_SIZES = []
-
-
-def records_sizes(prompts, completions, **kwargs):
-    CALL_SIZES.append(len(completions))
+def records_sizes(prompts, completions, log, **kwargs):
+    with open(log, "a") as out:
+        out.write(f"{len(completions)} ")
     return [0.0] * len(completions)
+
+
+def exits_on_bad(prompts, completions, **kwargs):
+    import os
+    import sys
+
+    if "sys.exit" in completions:
+        sys.exit(3)
+    if "os._exit" in completions:
+        os._exit(4)
+    if "segfault" in completions:
+        import ctypes
+
+        ctypes.string_at(0)
+    return [1.0] * len(completions)
 
 
 class Scaled:
@@ -198,8 +211,23 @@ def test_wrong_number_of_scores_fails_the_batch(user_file):
     assert stats.failures == {f"{user_file}:wrong_length": 2}
 
 
-def test_scoring_batch_size_splits_calls(user_file):
-    worker = RewardWorker("reward-0", [spec(user_file, "records_sizes")], batch_size=2)
+def test_scoring_batch_size_splits_calls(user_file, tmp_path):
+    log = tmp_path / "sizes"
+    records = spec(user_file, "records_sizes", kwargs={"log": str(log)})
+    worker = RewardWorker("reward-0", [records], batch_size=2)
     worker.score(episodes("a", "b", "c", "d", "e"))
-    sizes = worker.rewards[0].fn.__globals__["CALL_SIZES"]
-    assert sizes == [2, 2, 1]
+    assert log.read_text().split() == ["2", "2", "1"]
+
+
+def test_reward_code_that_exits_or_crashes_fails_only_its_episodes(user_file, caplog):
+    exits = spec(user_file, "exits_on_bad")
+    worker = RewardWorker("reward-0", [exits, spec(user_file, "reward_len")])
+    completions = ("fine", "sys.exit", "os._exit", "segfault", "also fine")
+    with caplog.at_level(logging.WARNING):
+        scored, stats = worker.score(episodes(*completions))
+    assert [e.reward_components[exits.name] for e in scored] == [1.0, None, None, None, 1.0]
+    assert stats.failures[exits.name] == 3
+    assert "called sys.exit(3)" in caplog.text
+    # The worker (this process) lives on, and so does scoring.
+    scored, stats = worker.score(episodes("again"))
+    assert scored[0].reward_components[exits.name] == 1.0 and stats.failures[exits.name] == 0

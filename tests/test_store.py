@@ -25,8 +25,8 @@ def test_rows_are_written_in_batches_partitioned_by_run_and_date(tmp_path):
     store.append(episodes(3))
     assert not list(tmp_path.rglob("*.parquet"))  # below a file's worth: still buffered
     store.append(episodes(3, start=3))
-    files = list(tmp_path.rglob("*.parquet"))
-    assert len(files) == 1 and pq.read_metadata(files[0]).num_rows == 6 - 2
+    files = sorted(tmp_path.rglob("*.parquet"))
+    assert [pq.read_metadata(f).num_rows for f in files] == [4, 2]  # rows_per_file at most
     assert files[0].parent.parent.name == "run=run" and files[0].parent.name.startswith("date=")
     assert store.close() == []
     assert sorted(read(tmp_path).column("episode_id").to_pylist()) == sorted(
@@ -44,6 +44,62 @@ def test_read_round_trips_every_field_and_filters_runs(tmp_path):
 
     assert from_table(read(tmp_path, runs=["a"])) == stored
     assert read(tmp_path).num_rows == 3
+
+
+def stored_ids(root) -> list[str]:
+    return sorted(read(root).column("episode_id").to_pylist())
+
+
+def test_journal_keeps_appends_a_dead_store_had_not_written(tmp_path):
+    journal = tmp_path / "journal"
+    store = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=100, journal_dir=journal)
+    assert store.append(episodes(3), key="a") == 3
+    assert not list(tmp_path.rglob("*.parquet"))  # buffered only, in memory and journal
+    del store  # the process died: no close, no flush
+    again = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=100, journal_dir=journal)
+    assert again.recovered == 3
+    assert again.append(episodes(3), key="a") == 0  # the dead store's append, retried
+    again.append(episodes(2, start=3), key="b")
+    again.close()
+    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(5)]
+    # Keys of written appends are remembered too: a retry after a flush adds nothing.
+    third = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=100, journal_dir=journal)
+    assert third.recovered == 0 and third.append(episodes(2, start=3), key="b") == 0
+    third.close()
+    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(5)]
+
+
+def test_a_flush_cut_short_is_redone_without_copies(tmp_path, monkeypatch):
+    from rlray import store as store_module
+
+    journal = tmp_path / "journal"
+    store = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=2, journal_dir=journal)
+    store.append(episodes(3), key="a")  # over rows_per_file: written as 2 + 1 rows
+    store.append(episodes(1, start=3), key="b")  # buffered
+
+    def die(self):  # the process dies after the files, before the journal is cleared
+        raise SystemExit
+
+    monkeypatch.setattr(store_module.Journal, "written", die)
+    with pytest.raises(SystemExit):
+        store.append(episodes(1, start=4), key="c")  # 2 rows: a file, then death
+    monkeypatch.undo()
+    first_files = sorted(p.name for p in (tmp_path / "episodes").rglob("*.parquet"))
+    again = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=2, journal_dir=journal)
+    assert again.recovered == 2
+    again.close()
+    assert sorted(p.name for p in (tmp_path / "episodes").rglob("*.parquet")) == first_files
+    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(5)]
+
+
+def test_episodes_are_filed_under_their_own_run_id(tmp_path):
+    store = EpisodeStore(tmp_path, "job-run")
+    store.append([make_episode(episode_id="x", run_id="posted/../run 1")])
+    store.append([make_episode(episode_id="y", run_id="job-run")])
+    store.close()
+    runs = sorted(p.parent.parent.name for p in tmp_path.rglob("*.parquet"))
+    assert runs == ["run=job-run", "run=posted%2F..%2Frun%201"]  # no path escapes the root
+    assert read(tmp_path, runs=["posted/../run 1"]).column("episode_id").to_pylist() == ["x"]
 
 
 def test_missing_store_is_a_clear_error(tmp_path):

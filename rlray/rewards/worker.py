@@ -1,16 +1,17 @@
 """RewardWorker: scores episode batches with every configured reward, surviving faults.
 
 A plain class: tests construct it in-process; rlray.actors runs it as `reward-<i>`.
-A component that raises, times out or gives NaN/None for an episode fails for that
-episode only: a batch call that raises is retried one episode at a time to find which.
-Failures are counted per component; the first of each is logged with its episode id.
+The reward functions run in a child process (rlray.rewards.process), so reward code that
+exits or crashes fails its call instead of ending the worker. A component that raises,
+exits, times out or gives NaN/None for an episode fails for that episode only: a batch
+call that fails is retried one episode at a time to find which. Failures are counted per
+component; the first of each is logged with its episode id.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 from rlray.config import RewardSpec
 from rlray.episode import Episode
 from rlray.groups import group_key, split_uniform_groups
-from rlray.rewards.loading import LoadedReward, accepted_columns, load_reward
+from rlray.rewards.loading import scheduled_weight
+from rlray.rewards.process import RewardCallError, RewardProcess
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,8 @@ class RewardWorker:
         batch_size: int = 64,
     ):
         self.name = name
-        self.rewards = [load_reward(spec) for spec in specs]
+        self.specs = specs
+        self.process = RewardProcess(specs)
         self.drop_on_failure = on_failure == "drop_episode"
         self.batch_size = batch_size
         self._logged: set[str] = set()
@@ -68,16 +71,16 @@ class RewardWorker:
         """Returns the episodes with rewards set (weights as scheduled at learner `step`)
         and a stats record."""
         started = time.perf_counter()
-        failures = dict.fromkeys((r.name for r in self.rewards), 0)
+        failures = dict.fromkeys((spec.name for spec in self.specs), 0)
         for start in range(0, len(episodes), self.batch_size):
             chunk = episodes[start : start + self.batch_size]
-            for reward in self.rewards:
-                scores = self._component_scores(reward, chunk)
+            for index, spec in enumerate(self.specs):
+                scores = self._component_scores(index, chunk)
                 for episode, value, error in zip(chunk, scores.values, scores.errors, strict=True):
-                    episode.reward_components[reward.name] = value
+                    episode.reward_components[spec.name] = value
                     if error is not None:
-                        failures[reward.name] += 1
-                        self._log_first(reward.name, episode.episode_id, error)
+                        failures[spec.name] += 1
+                        self._log_first(spec.name, episode.episode_id, error)
         now = time.time()
         dropped = sum(self._set_total(e, step) for e in episodes)
         for episode in episodes:
@@ -102,24 +105,25 @@ class RewardWorker:
 
     def _set_total(self, episode: Episode, step: int) -> bool:
         """Sets the weighted total; returns True if the episode is dropped instead."""
-        values = [(r, episode.reward_components[r.name]) for r in self.rewards]
+        values = [(s, episode.reward_components[s.name]) for s in self.specs]
         if self.drop_on_failure and any(value is None for _, value in values):
             episode.reward = None
             return True
-        episode.reward = sum(r.weight_at(step) * v for r, v in values if v is not None)
+        episode.reward = sum(scheduled_weight(s, step) * v for s, v in values if v is not None)
         return False
 
-    def _component_scores(self, reward: LoadedReward, episodes: list[Episode]) -> ComponentScores:
+    def _component_scores(self, index: int, episodes: list[Episode]) -> ComponentScores:
+        timeout_s = self.specs[index].timeout_s
         try:
-            raw = call_with_timeout(lambda: _call(reward, episodes), reward.spec.timeout_s)
+            raw = self.process.call(index, _call_arguments(episodes), timeout_s)
         except TimeoutError:
-            message = f"timed out after {reward.spec.timeout_s:g} s"
+            message = f"timed out after {timeout_s:g} s"
             return ComponentScores([None] * len(episodes), [message] * len(episodes))
-        except Exception as err:
+        except RewardCallError as err:
             if len(episodes) == 1:
-                return ComponentScores([None], [f"raised {type(err).__name__}: {err}"])
-            # Score one at a time so that only the episodes that make it raise fail.
-            parts = [self._component_scores(reward, [episode]) for episode in episodes]
+                return ComponentScores([None], [str(err)])
+            # Score one at a time so that only the episodes that make it fail fail.
+            parts = [self._component_scores(index, [episode]) for episode in episodes]
             return ComponentScores(
                 [v for p in parts for v in p.values], [e for p in parts for e in p.errors]
             )
@@ -138,15 +142,15 @@ class RewardWorker:
         )
 
 
-def _call(reward: LoadedReward, episodes: list[Episode]) -> Any:
+def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
+    """Returns a reward call's arguments: prompts, completions and every data column
+    (the reward process passes on the columns the reward takes)."""
     names = dict.fromkeys(key for e in episodes for key in e.columns)
-    columns = {key: [e.columns.get(key) for e in episodes] for key in names}
-    return reward.fn(
-        prompts=[e.prompt for e in episodes],
-        completions=[e.completion for e in episodes],
-        **accepted_columns(reward.fn, columns),
-        **reward.kwargs,
-    )
+    return {
+        "prompts": [e.prompt for e in episodes],
+        "completions": [e.completion for e in episodes],
+        "columns": {key: [e.columns.get(key) for e in episodes] for key in names},
+    }
 
 
 def checked_scores(raw: Any, count: int) -> ComponentScores:
@@ -169,24 +173,3 @@ def _as_float(score: Any) -> float | None:
         return None
     value = float(score)
     return value if math.isfinite(value) else None
-
-
-def call_with_timeout(fn: Any, timeout_s: float) -> Any:
-    """Returns fn() or raises TimeoutError after timeout_s. A timed-out call keeps
-    running in its (daemon) thread: Python cannot stop it; its result is ignored."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as err:  # re-raised in the caller's thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True, name="reward-call")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
