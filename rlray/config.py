@@ -627,6 +627,7 @@ def validate(config: Config) -> None:
         "learner.checkpoint_every": learner.checkpoint_every,
         "algorithm.value_clip": a.value_clip,
         "algorithm.rollout_correction_clip": a.rollout_correction_clip,
+        "rollout.gpu_memory_utilization": r.gpu_memory_utilization,
         "ingest.port": config.ingest.port,
         "ingest.max_body_bytes": config.ingest.max_body_bytes,
         "store.rows_per_file": config.store.rows_per_file,
@@ -656,9 +657,20 @@ def validate(config: Config) -> None:
         "ray.max_job_restarts": config.ray.max_job_restarts,
         "seed": config.seed,
     }
+    for section in ("rollout", "reward", "learner"):
+        for key, value in getattr(config, section).resources.items():
+            non_negative[f"{section}.resources.{key}"] = value
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
+    upper = {  # name: (value, largest allowed, why)
+        "rollout.gpu_memory_utilization": (r.gpu_memory_utilization, 1.0, "a share"),
+        "ingest.port": (config.ingest.port, 65535, "a TCP port"),
+        "seed": (config.seed, 2**31 - 1 - r.num_workers, "numpy seeds are 32-bit"),
+    }
+    for name, (value, limit, why) in upper.items():
+        if value > limit:
+            raise ConfigError(f"{name} must be <= {limit} ({why}), got {value}")
     needs = {
         "rollout.cpus_per_worker": r.cpus_per_worker
         + r.gpus_per_worker

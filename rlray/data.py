@@ -102,8 +102,15 @@ def read_jsonl(
     if not file.is_file():
         raise ConfigError(f"{field_name}: file not found: {path}")
     rows = []
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"{path}:{number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at "
+                    f"column {err.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -117,6 +124,8 @@ def read_jsonl(
                     raise ConfigError(f"{path}:{number}: missing field '{key}'")
             if not isinstance(record["prompt"], str):
                 raise ConfigError(f"{path}:{number}: 'prompt' must be a string")
+            if not record["prompt"]:
+                raise ConfigError(f"{path}:{number}: 'prompt' is empty")
             prompt = record.pop("prompt")
             rows.append(PromptRow(prompt=prompt, columns=record))
     if not rows:
@@ -150,11 +159,37 @@ def check_prompts_fit(
     max_model_len: int,
     source: str,
 ) -> None:
-    """Raises ConfigError if any prompt plus max_new_tokens exceeds the context window."""
+    """Raises ConfigError if any prompt is no tokens at all, or it plus max_new_tokens
+    exceeds the context window."""
     for row, count in zip(rows, token_counts, strict=True):
-        if count + max_new_tokens > max_model_len:
-            preview = row.prompt[:40] + ("..." if len(row.prompt) > 40 else "")
+        if count == 0:
             raise ConfigError(
-                f"{source}: prompt {preview!r} is {count} tokens; with rollout.max_new_tokens="
-                f"{max_new_tokens} it exceeds model.max_model_len={max_model_len}"
+                f"{source}: prompt {_preview(row.prompt)} is no tokens to the model's tokenizer"
             )
+        if count + max_new_tokens > max_model_len:
+            raise ConfigError(
+                f"{source}: prompt {_preview(row.prompt)} is {count} tokens; with "
+                f"rollout.max_new_tokens={max_new_tokens} it exceeds "
+                f"model.max_model_len={max_model_len}"
+            )
+
+
+def lost_characters_warning(
+    rows: list[PromptRow], read_as: list[str | None], source: str
+) -> str | None:
+    """Returns one line saying how many prompts lose characters to the tokenizer, with an
+    example (read_as[i]: what the model reads of rows[i], None if all of it), or None."""
+    lossy = [
+        (row.prompt, read) for row, read in zip(rows, read_as, strict=True) if read is not None
+    ]
+    if not lossy:
+        return None
+    prompt, read = lossy[0]
+    return (
+        f"{source}: {len(lossy)} of {len(rows)} prompts lose characters to the model's "
+        f"tokenizer, e.g. {_preview(prompt)} reads as {_preview(read)}"
+    )
+
+
+def _preview(text: str) -> str:
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))

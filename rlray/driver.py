@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -24,8 +25,15 @@ from rlray.actors import ActorFailure, Actors, wait_for
 from rlray.buffer import BufferedBatch
 from rlray.checkpoints import latest_checkpoint
 from rlray.config import Config, ConfigError, config_to_dict
-from rlray.data import PromptRow, PromptSource, check_prompts_fit, eval_rows, train_prompts
-from rlray.models import prompt_token_counts, resolve_model_path
+from rlray.data import (
+    PromptRow,
+    PromptSource,
+    check_prompts_fit,
+    eval_rows,
+    lost_characters_warning,
+    train_prompts,
+)
+from rlray.models import model_limits, read_prompts, resolve_model_path
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
 from rlray.rollout import EvalResult, GenerateStats
 from rlray.step_metrics import metrics_dict
@@ -64,19 +72,37 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
     check_rewards(config.reward.functions, set(prompts.row(0).columns))
     model_path = resolve_model_path(config.model.path)
-    for source, rows in (("data.train", prompts.longest_prompts()), ("data.eval", held_out)):
-        counts = prompt_token_counts(model_path, [r.prompt for r in rows])
+    model_limits(model_path, config.model.max_model_len)
+    sources = {"data.train": prompts.longest_prompts(), "data.eval": held_out}
+    readings = read_prompts(model_path, [[r.prompt for r in rows] for rows in sources.values()])
+    for (source, rows), read in zip(sources.items(), readings, strict=True):
+        counts = [tokens.count for tokens in read]
         check_prompts_fit(
             rows, counts, config.rollout.max_new_tokens, config.model.max_model_len, source
         )
+        if warning := lost_characters_warning(rows, [t.read_as for t in read], source):
+            logger.warning("warning: %s", warning)
     checkpoint = None
     if resume_dir is not None:
         checkpoint = latest_checkpoint(resume_dir)
         if checkpoint is None:
             raise ConfigError(f"--resume: no complete checkpoint under {resume_dir}/checkpoints")
     run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    _check_writable(run_dir)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Raises ConfigError (run_dir) unless the run directory exists as a writable
+    directory or can be created: its nearest existing parent is a writable directory."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run_dir: cannot create {run_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir: cannot write to {existing}")
 
 
 def write_config(plan: RunPlan) -> None:
@@ -334,7 +360,10 @@ class TrainingDriver:
         """Waits for Ray to restart the dead actor `name` and brings it up to date (a
         rollout worker loads the current weights; the buffer gets its batches back).
         Raises the failure, still marked died, if Ray does not restart it."""
-        logger.warning("%s; waiting for Ray to restart it", failure)
+        name = self.actors.name_of(failure.actor_id) or name  # the one that died
+        if name == "learner":  # not restarted: its weights would be lost
+            raise ActorFailure(f"learner died; {failure}", died=True) from failure
+        logger.warning("%s; waiting for Ray to restart %s", failure, name)
         handle = self.actors.handle(name)
         timeout = self.config.ray.actor_start_timeout_s
         try:
@@ -360,7 +389,7 @@ class TrainingDriver:
             try:
                 return wait_for(call(), name, what, self.timeout)
             except ActorFailure as err:
-                if not err.died or name == "learner":
+                if not err.died:
                     raise
                 self._recover(name, err)
 
@@ -586,6 +615,13 @@ class MetricsLog:
             out.write(json.dumps(record) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
+
+    def keep_before(self, step: int) -> None:
+        """Drops the lines of `step` and later: a resumed run logs them again, so that
+        no step appears twice."""
+        kept = [json.dumps(r) + "\n" for r in self.read() if r["step"] < step]
+        if self.path.exists():
+            self.path.write_text("".join(kept))
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -227,6 +227,16 @@ def test_missing_config_file_is_named(tmp_path):
             ["--learner.sync_every", "3"],
             r"buffer.max_staleness \(1\) must be >= learner.sync_every - 1",
         ),
+        (
+            ["--rollout.gpu_memory_utilization", "1.5"],
+            r"^rollout.gpu_memory_utilization must be <= 1.0 \(a share\), got 1.5$",
+        ),
+        (["--ingest.port", "70000"], r"^ingest.port must be <= 65535 \(a TCP port\), got 70000$"),
+        (["--seed", str(2**32)], r"^seed must be <= 2147483646 \(numpy seeds are 32-bit\)"),
+        (
+            ["--learner.resources", "{gpu_node: -1}"],
+            r"^learner.resources.gpu_node must be >= 0, got -1",
+        ),
         (["--learner.lr", ".inf"], r"^learner.lr must be finite, got inf$"),
         (["--rollout.temperature", ".nan"], r"^rollout.temperature must be finite, got nan$"),
         (["--algorithm.clip_high=-.inf"], r"^algorithm.clip_high must be finite, got -inf$"),

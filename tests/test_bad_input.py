@@ -1,0 +1,193 @@
+"""Bad input stops `jobs/ppo.py` with exit code 2 and one line naming the field or file,
+before any actor starts: main() called in-process (no Ray), or plan_run directly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlray.config import Config, ConfigError, parse_command_line
+from rlray.driver import plan_run
+from rlray.models import resolve_model_path
+from tests.jobs_helper import REPO
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    """jobs/ppo.py as a module; connecting to Ray fails the test (nothing may start)."""
+    spec = importlib.util.spec_from_file_location("ppo_job", REPO / "jobs" / "ppo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def connect(*args, **kwargs):
+        raise AssertionError("bad input reached Ray")
+
+    module.connect = connect
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    return Path(resolve_model_path(Config().model.path))
+
+
+def model_copy(tiny_model: Path, where: Path) -> Path:
+    target = where / "model"
+    shutil.copytree(tiny_model, target)
+    return target
+
+
+def jsonl(path: Path, *records: dict) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def corrupt(tiny_model: Path, tmp_path: Path, how: str) -> str:
+    model = model_copy(tiny_model, tmp_path)
+    weights = model / "model.safetensors"
+    config = json.loads((model / "config.json").read_text())
+    if how == "no-weights":
+        weights.unlink()
+    elif how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "garbage":
+        weights.write_bytes(b"\xff" * 64)
+    elif how == "config-json":
+        (model / "config.json").write_text("{not json")
+    elif how == "non-causal":
+        config["architectures"] = ["Qwen2Model"]
+        (model / "config.json").write_text(json.dumps(config))
+    elif how == "no-vocab":
+        del config["vocab_size"]
+        (model / "config.json").write_text(json.dumps(config))
+    elif how == "missing-shard":
+        index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(model)
+
+
+BAD_INPUTS = {
+    # id: (args, message); MODEL(how) and files are made by the test
+    "missing-model": (["--model", "/no/such/model"], "model.path: no such model directory"),
+    "unknown-field": (
+        ["--algorithm.clip_hihg", "0.1"],
+        "unknown config field '--algorithm.clip_hihg' (did you mean '--algorithm.clip_high'?)",
+    ),
+    "wrong-type": (["--learner.lr", "fast"], "learner.lr: expected float, got 'fast'"),
+    "negative": (["--rollout.prompts_per_batch", "-8"], "rollout.prompts_per_batch must be > 0"),
+    "lr-inf": (["--learner.lr", "inf"], "learner.lr must be finite, got inf"),
+    "kl-nan": (["--algorithm.kl_coef", "nan"], "algorithm.kl_coef must be finite, got nan"),
+    "temperature-nan": (
+        ["--rollout.temperature", "nan"],
+        "rollout.temperature must be finite, got nan",
+    ),
+    "reward-import": (
+        ["--reward.functions", "[{name: 'no_such_pkg.rewards:fn'}]"],
+        "reward.functions[0].name (no_such_pkg.rewards:fn): cannot import no_such_pkg.rewards",
+    ),
+    "long-prompt": (["--data.train", "LONG"], "data.train: prompt '1+1+1+"),
+    "max-model-len": (
+        ["--model.max_model_len", "4096"],
+        "model.max_model_len (4096) is beyond the model's own context window (64: "
+        "max_position_embeddings in ",
+    ),
+    "no-weights": (["--model", "MODEL(no-weights)"], "holds no weights (*.safetensors or"),
+    "truncated-weights": (
+        ["--model", "MODEL(truncated)"],
+        "model.safetensors is not readable safetensors (truncated: ",
+    ),
+    "garbage-weights": (["--model", "MODEL(garbage)"], "is not readable safetensors"),
+    "missing-shard": (["--model", "MODEL(missing-shard)"], "weight shard "),
+    "corrupt-config": (["--model", "MODEL(config-json)"], "config.json is not readable JSON"),
+    "no-vocab": (["--model", "MODEL(no-vocab)"], "config.json has no positive vocab_size"),
+    "non-causal": (
+        ["--model", "MODEL(non-causal)"],
+        "is a Qwen2Model, not a causal LM that vLLM generates with",
+    ),
+    "empty-prompt": (["--data.train", "EMPTY"], "empty.jsonl:2: 'prompt' is empty"),
+    "no-token-prompt": (
+        ["--data.train", "UNTOKENIZABLE"],
+        "data.train: prompt 'abc' is no tokens to the model's tokenizer",
+    ),
+    "not-utf8": (["--data.train", "LATIN1"], "latin1.jsonl:1: not UTF-8 text (byte 0xe9 at column"),
+    "run-dir-under-a-file": (["--run-dir", "FILE/run"], "run_dir: cannot create "),
+    "run-dir-is-a-file": (["--run-dir", "FILE"], "run_dir: cannot create "),
+    "seed-too-large": (["--seed", "4294967296"], "seed must be <= "),
+}
+
+
+def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
+    files = {
+        "LONG": lambda: jsonl(
+            tmp_path / "long.jsonl", {"prompt": "1+" * 40 + "1=", "answer": "41"}
+        ),
+        "EMPTY": lambda: jsonl(
+            tmp_path / "empty.jsonl",
+            {"prompt": "1+1=", "answer": "2"},
+            {"prompt": "", "answer": ""},
+        ),
+        "UNTOKENIZABLE": lambda: jsonl(tmp_path / "abc.jsonl", {"prompt": "abc", "answer": "1"}),
+        "LATIN1": lambda: _write(
+            tmp_path / "latin1.jsonl", b'{"prompt": "caf\xe9", "answer": "1"}\n'
+        ),
+        "FILE": lambda: _write(tmp_path / "file", b"x"),
+        "FILE/run": lambda: _write(tmp_path / "file", b"x") + "/run",
+    }
+    out = []
+    for arg in args:
+        if arg.startswith("MODEL("):
+            arg = corrupt(tiny_model, tmp_path, arg[6:-1])
+        elif arg in files:
+            arg = files[arg]()
+        out.append(arg)
+    return out
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_one_line_exit_2_before_any_actor(
+    ppo, tiny_model, tmp_path, capsys, args, message
+):
+    args = materialise(args, tmp_path, tiny_model)
+    run_dir = [] if "--run-dir" in args else ["--run-dir", str(tmp_path / "run")]
+    assert ppo.main([*args, *run_dir]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ppo.py: error: ")
+    assert message in lines[0]
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_prompts_that_lose_characters_are_warned_about_once_with_an_example(tmp_path, caplog):
+    prompts = [{"prompt": f"1+{i}=", "answer": str(i + 1)} for i in range(5)]
+    prompts[2]["prompt"], prompts[4]["prompt"] = "1+1= ça", "2+2= ?"
+    train = jsonl(tmp_path / "train.jsonl", *prompts)
+    config = parse_command_line(["--data.train", train, "--run-dir", str(tmp_path / "run")]).config
+    with caplog.at_level(logging.WARNING, logger="rlray.driver"):
+        plan_run(config, None)
+    warnings = [r.getMessage() for r in caplog.records if "lose characters" in r.getMessage()]
+    assert warnings == [
+        "warning: data.train: 2 of 5 prompts lose characters to the model's tokenizer, "
+        "e.g. '1+1= ça' reads as '1+1='"
+    ]
+
+
+def test_the_context_window_check_follows_vllm_rope_scaling(tiny_model, tmp_path):
+    model = model_copy(tiny_model, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    (model / "config.json").write_text(json.dumps(config))
+    from rlray.models import model_limits
+
+    assert model_limits(str(model), 256).max_model_len == 256
+    with pytest.raises(ConfigError, match=r"\(256: max_position_embeddings x RoPE factor 4.0"):
+        model_limits(str(model), 257)
