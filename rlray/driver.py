@@ -360,10 +360,7 @@ class TrainingDriver:
         """Waits for Ray to restart the dead actor `name` and brings it up to date (a
         rollout worker loads the current weights; the buffer gets its batches back).
         Raises the failure, still marked died, if Ray does not restart it."""
-        name = self.actors.name_of(failure.actor_id) or name  # the one that died
-        if name == "learner":  # not restarted: its weights would be lost
-            raise ActorFailure(f"learner died; {failure}", died=True) from failure
-        logger.warning("%s; waiting for Ray to restart %s", failure, name)
+        logger.warning("%s; waiting for Ray to restart it", failure)
         handle = self.actors.handle(name)
         timeout = self.config.ray.actor_start_timeout_s
         try:
@@ -389,7 +386,7 @@ class TrainingDriver:
             try:
                 return wait_for(call(), name, what, self.timeout)
             except ActorFailure as err:
-                if not err.died:
+                if not err.died or name == "learner":
                     raise
                 self._recover(name, err)
 
@@ -615,13 +612,6 @@ class MetricsLog:
             out.write(json.dumps(record) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
-
-    def keep_before(self, step: int) -> None:
-        """Drops the lines of `step` and later: a resumed run logs them again, so that
-        no step appears twice."""
-        kept = [json.dumps(r) + "\n" for r in self.read() if r["step"] < step]
-        if self.path.exists():
-            self.path.write_text("".join(kept))
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
