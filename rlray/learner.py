@@ -27,7 +27,7 @@ from rlray.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
 from rlray.checkpoints import LATEST
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
-from rlray.episode import Episode
+from rlray.episode import Episode, ModelLimits, validate_episodes
 from rlray.groups import check_whole_groups, group_indexes
 from rlray.models import resolve_model_path
 from rlray.step_metrics import StepMetrics
@@ -102,6 +102,10 @@ class Learner:
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
+        self.limits = ModelLimits(
+            vocab_size=self.engine.policy.get_input_embeddings().num_embeddings,
+            max_model_len=model.max_model_len,
+        )
         self.version = 0
         self.prompt_cursor = 0
         self.probe_parity: float | None = None
@@ -138,12 +142,17 @@ class Learner:
         """Runs one update of the algorithm (epochs x mini-batches) on the episodes; returns
         metrics. Every group of this run's prompts must be whole (all samples_per_prompt
         samples), else ValueError. Episodes without a reward (a failing reward under
-        reward.on_failure=drop_episode) are left out; if none is left, ValueError."""
+        reward.on_failure=drop_episode) are left out; if none is left, ValueError.
+
+        Nothing is updated from a bad step: an episode the schema or the model cannot
+        take raises EpisodeError naming it; NaN or infinite rewards, advantages or losses
+        raise rl_math.NonFiniteError naming them, before any gradient of them is taken."""
         started = time.perf_counter()
         check_whole_groups(episodes, self.samples_per_prompt)
         episodes = [e for e in episodes if e.reward is not None]
         if not episodes:
             raise ValueError("every episode of this step was dropped by a failing reward")
+        validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
         step = self._prepare(episodes)
         old_logp = step.inputs.old_logp
         parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
@@ -181,13 +190,20 @@ class Learner:
             ref_logp=self.engine.reference_logprobs(batch),
             values=before.values,
         )
+        step = f"step {self.version + 1}"
+        rm.check_finite(f"{step}: rewards", inputs.rewards)
+        rm.check_finite(f"{step}: the learner's logprobs", before.logp, batch.mask)
+        advantages = self.algorithm.advantages(inputs)
+        rm.check_finite(f"{step}: advantages", advantages.advantages, batch.mask)
+        if advantages.returns is not None:
+            rm.check_finite(f"{step}: returns", advantages.returns, batch.mask)
         return PreparedStep(
             batch=batch,
             inputs=inputs,
             rollout_logp=rollout_logp,
             known=known,
             correction=self.algorithm.correction_weights(before.logp, behaviour, batch.mask),
-            advantages=self.algorithm.advantages(inputs),
+            advantages=advantages,
             truncated=is_truncated,
             loss_mask=self.algorithm.loss_mask(batch.mask, is_truncated),
         )
@@ -209,7 +225,9 @@ class Learner:
                 returns=_rows(advantages.returns, rows),
                 ref_logp=_rows(inputs.ref_logp, rows),
             )
-            return self.algorithm.loss(micro, totals.tokens, totals.sequences)
+            loss, metrics = self.algorithm.loss(micro, totals.tokens, totals.sequences)
+            rm.check_finite(f"step {self.version + 1}: loss", loss)  # before its backward
+            return loss, metrics
 
         return loss_fn
 

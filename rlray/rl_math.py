@@ -424,3 +424,23 @@ def logprob_mismatch(
         "max": gap.max() if gap.numel() else gap.sum(),
         "outside_share": masked_mean(far, mask),
     }
+
+
+# ---------------------------------------------------------------- finiteness
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or infinite value where an update needs numbers; the message names it."""
+
+
+def check_finite(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Returns None if `x` is finite (where `mask` is 1, if given: padding may hold
+    anything); else raises NonFiniteError naming `name`, the first bad value and its index."""
+    x = x.detach()
+    bad = ~torch.isfinite(x)
+    if mask is not None:
+        bad = bad & mask.bool()
+    if bool(bad.any()):
+        index = [int(i) for i in bad.nonzero()[0]]
+        value = float(x[tuple(index)]) if index else float(x)
+        raise NonFiniteError(f"{name} is not finite ({value} at {index})")

@@ -13,9 +13,10 @@ import torch
 from rlray.checkpoints import latest_checkpoint
 from rlray.config import Advantage, Config, PolicyLoss
 from rlray.engine import collate
-from rlray.episode import Episode
+from rlray.episode import Episode, EpisodeError
 from rlray.learner import Learner
 from rlray.models import resolve_model_path
+from rlray.rl_math import NonFiniteError
 
 PROMPT = "12+34="
 
@@ -296,3 +297,54 @@ def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, de
     assert (one.policy_loss, one.value_loss) == pytest.approx(
         (two.policy_loss, two.value_loss), rel=1e-6
     )
+
+
+def parameters(learner: Learner) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in learner.engine.policy.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"reward": 1e308}, "step 1: episodes[2].reward: 1e+308 is beyond ±1e+15"),
+        ({"reward": float("nan")}, "step 1: episodes[2].reward: nan is not finite"),
+        (
+            {"completion_token_ids": [5, 20]},
+            "episodes[2].completion_token_ids[1]: token id 20 is outside the model's "
+            "vocabulary (0 to 19)",
+        ),
+        (
+            {"completion_token_ids": [5] * 60},
+            "6 prompt + 60 completion tokens exceed the context window (model.max_model_len=64)",
+        ),
+        (
+            {"prompt_token_ids": [2**31]},
+            "episodes[2].prompt_token_ids[0]: 2147483648 is outside int32",
+        ),
+    ],
+)
+def test_a_bad_episode_stops_the_step_naming_it_and_updates_nothing(
+    model_path, device, change, message
+):
+    learner = make_learner(model_path, device, algorithm__advantage="grpo")
+    episodes = episodes_for(learner, REWARDS)
+    for name, value in change.items():
+        setattr(episodes[2], name, value)
+    if "completion_token_ids" in change:
+        episodes[2].rollout_logprobs = [-1.0] * len(change["completion_token_ids"])
+    before = parameters(learner)
+    with pytest.raises(EpisodeError) as caught:
+        learner.train_step(episodes)
+    assert message in str(caught.value)
+    assert learner.version == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, parameters(learner), strict=True))
+
+
+def test_a_non_finite_loss_stops_the_step_before_its_update(model_path, device):
+    # A learning rate of 1e37 takes the weights to the edge of float32 in one update: the
+    # second epoch's logits overflow and its loss is NaN. That update is never taken.
+    learner = make_learner(model_path, device, learner__lr=1e37, learner__epochs=2)
+    with pytest.raises(NonFiniteError, match=r"^step 1: loss is not finite \(nan"):
+        learner.train_step(episodes_for(learner, REWARDS))
+    assert learner.version == 0
+    assert not any(torch.isnan(p).any() for p in parameters(learner))

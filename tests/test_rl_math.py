@@ -474,3 +474,15 @@ def test_math_on_the_test_device_equals_the_math_on_the_cpu(device):
     for a, b_ in zip(on_cpu, on_device, strict=True):
         assert b_.device.type == torch.device(device).type
         torch.testing.assert_close(b_.cpu(), a, atol=1e-5, rtol=1e-4)
+
+
+def test_check_finite_names_the_first_bad_value_and_ignores_padding(device):
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]], device=device)
+    with pytest.raises(rm.NonFiniteError, match=r"^advantages is not finite \(nan at \[0, 1\]\)$"):
+        rm.check_finite("advantages", x)
+    padding = torch.tensor([[1.0, 1.0], [0.0, 1.0]], device=device)
+    with pytest.raises(rm.NonFiniteError, match=r"\(nan at \[0, 1\]\)"):
+        rm.check_finite("advantages", x, padding)
+    rm.check_finite("advantages", x, torch.tensor([[1.0, 0.0], [0.0, 1.0]], device=device))
+    with pytest.raises(rm.NonFiniteError, match=r"^loss is not finite \(inf at \[\]\)$"):
+        rm.check_finite("loss", torch.tensor(float("inf"), device=device))
