@@ -10,6 +10,7 @@ episode references, recording Ray metrics), and turns a dead or stuck actor into
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -25,9 +26,9 @@ from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
 from rlray.config import BUILTIN_MODEL, Config, IngestConfig, StoreConfig
 from rlray.data import PromptRow
-from rlray.episode import Episode
+from rlray.episode import Episode, ModelLimits
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
-from rlray.models import load_tokenizer
+from rlray.models import load_tokenizer, model_limits, read_as
 from rlray.placement import Placement, role_resources
 from rlray.rewards import RewardWorker, ScoreStats
 from rlray.rollout import EvalResult, RolloutWorker, vllm_env
@@ -463,14 +464,23 @@ class IngestActor:
     scored by the run's reward actors, stored by its store and, with ingest.train,
     queued in its buffer."""
 
-    def __init__(self, config: IngestConfig, token: str, model_path: str, actors: Actors):
+    def __init__(
+        self,
+        config: IngestConfig,
+        token: str,
+        model_path: str,
+        actors: Actors,
+        limits: ModelLimits | None = None,
+    ):
         self.config = config
         self.actors = actors
         self.step = 0
         self.next_reward = 0
         self.tokenizer = load_tokenizer(model_path) if config.train else None
+        self.warned_lost_characters = False
         enqueue = self._enqueue if config.train and actors.buffer is not None else None
-        self.service = IngestService(token, self._score, self._store, enqueue)
+        tokenize = self._tokenize if config.train else None
+        self.service = IngestService(token, self._score, self._store, enqueue, limits, tokenize)
 
     async def start(self) -> str:
         """Starts serving; returns the endpoint's URL."""
@@ -493,15 +503,29 @@ class IngestActor:
     async def _store(self, episodes: list[Episode]) -> None:
         await self.actors.store.append_episodes.remote(episodes)
 
-    async def _enqueue(self, episodes: list[Episode]) -> set[str]:
-        """Queues posted episodes for training if the buffer has room; returns their ids."""
-        trainable = [e for e in episodes if e.reward is not None]
-        for episode in trainable:
+    def _tokenize(self, episodes: list[Episode]) -> None:
+        """Gives episodes posted without token ids the model's (checked against the
+        model's limits next); the first prompt that loses characters is logged, once."""
+        for episode in episodes:
             if not episode.prompt_token_ids or not episode.completion_token_ids:
                 episode.prompt_token_ids = self.tokenizer(episode.prompt).input_ids
                 completion = self.tokenizer(episode.completion).input_ids
                 episode.completion_token_ids = [*completion, self.tokenizer.eos_token_id]
                 episode.rollout_logprobs = []  # unknown: the learner uses its own
+                lost = read_as(self.tokenizer, episode.prompt, episode.prompt_token_ids)
+                if lost is not None and not self.warned_lost_characters:
+                    self.warned_lost_characters = True
+                    logging.getLogger(__name__).warning(
+                        "ingest: posted prompts lose characters to the model's tokenizer, "
+                        "e.g. %r (episode %s) reads as %r",
+                        episode.prompt[:40],
+                        episode.episode_id,
+                        lost[:40],
+                    )
+
+    async def _enqueue(self, episodes: list[Episode]) -> set[str]:
+        """Queues posted episodes for training if the buffer has room; returns their ids."""
+        trainable = [e for e in episodes if e.reward is not None]
         if not trainable or not await self.actors.buffer.reserve.remote(len(trainable)):
             return set()
         batch = BufferedBatch(
@@ -519,9 +543,10 @@ class IngestActor:
 def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: float) -> str:
     """Starts the ingestion endpoint as the `ingest` actor; returns its URL."""
     token = config.ingest.token or os.environ.get("RLRAY_INGEST_TOKEN", "")
+    limits = model_limits(model_path, config.model.max_model_len)  # checked in plan_run
     actors.ingest = (
         ray.remote(IngestActor)
         .options(name="ingest", num_cpus=0, max_concurrency=64)
-        .remote(config.ingest, token, model_path, actors)
+        .remote(config.ingest, token, model_path, actors, limits)
     )
     return wait_for(actors.ingest.start.remote(), "ingest", "start-up", timeout_s)
