@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -31,13 +38,14 @@ def test_output_is_cut_at_the_limit_without_stopping_the_code():
     assert result.stdout == "x" * 100
 
 
-def test_each_run_gets_a_fresh_directory_that_is_deleted():
-    look_and_write = "import os\nprint(os.getcwd(), os.listdir())\nopen('left.txt', 'w').write('x')"
+def test_each_run_starts_in_an_empty_directory_that_is_gone_afterwards():
+    name = f"left-{secrets.token_hex(8)}.txt"
+    look_and_write = f"import os\nprint(os.getcwd(), os.listdir())\nopen({name!r}, 'w').write('x')"
     runs = [run_python(look_and_write) for _ in range(2)]
     assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
-    (first_dir, first_files), (second_dir, second_files) = (r.stdout.split() for r in runs)
-    assert first_dir != second_dir and first_files == second_files == "[]"
-    assert not os.path.exists(first_dir) and not os.path.exists(second_dir)
+    (first_dir, first_files), (_, second_files) = (r.stdout.split() for r in runs)
+    assert first_files == second_files == "[]"
+    assert not os.path.exists(os.path.join(first_dir, name))
 
 
 def test_environment_holds_no_variables_of_the_caller(monkeypatch):
@@ -99,23 +107,38 @@ FORK_BOMBS = {
 def test_fork_bomb_is_contained_and_leaves_no_process(bomb):
     sandbox_uid = sandbox._unprivileged_user()[0] if AS_ROOT else os.getuid()
     before = _live_pids(lambda p: p.uids().real == sandbox_uid)
-    source = f"import os\nprint(os.getpid(), flush=True)\n{bomb}"
+    source = f"{PRINT_RUN}\n{bomb}"
     result = run_python(source, SandboxLimits(timeout_s=2, max_processes=8))
-    session = int(result.stdout.split()[0])  # the first process leads the run's session
-    assert _eventually(lambda: not _live_pids(lambda p: os.getsid(p.pid) == session))
+    assert _none_left(_member_of(result.stdout))
     if AS_ROOT:  # every process as the sandbox's user is the run's
         assert _eventually(lambda: _live_pids(lambda p: p.uids().real == sandbox_uid) <= before)
 
 
-def test_process_that_leaves_the_process_group_is_killed_too():
-    if not sandbox._isolation().unshare_flags:
-        pytest.skip(reason="found by its network namespace, and there is none here")
-    escape = (
-        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
-    )
+def test_process_that_leaves_the_process_group_is_killed_too(isolated):
+    escape = f"{PRINT_RUN}\nimport os, time\nif os.fork() == 0:\n    os.setsid()\n"
     result = run_python(f"{escape}    time.sleep(1000)", SandboxLimits(timeout_s=1))
-    escaped = int(result.stdout.split()[0])
-    assert _eventually(lambda: not _live_pids(lambda p: p.pid == escaped))
+    assert _none_left(_member_of(result.stdout))
+
+
+# Prints what names the run's processes: its pid namespace, or without namespaces its
+# session (the run's first process leads it).
+PRINT_RUN = "import os\nprint(os.readlink('/proc/self/ns/pid'), os.getsid(0), flush=True)"
+
+
+def _member_of(printed: str):
+    """Returns whether a process belongs to the run whose first line `printed` is."""
+    pid_namespace, session = printed.split()[:2]
+    if sandbox._isolation().namespaces:
+        return lambda p: os.readlink(f"/proc/{p.pid}/ns/pid") == pid_namespace
+    return lambda p: os.getsid(p.pid) == int(session)
+
+
+def _none_left(belongs) -> bool:
+    """Returns whether no live process `belongs`: at once with namespaces (the kernel has
+    killed them before run_python returns), else within a moment."""
+    if sandbox._isolation().namespaces:
+        return not _live_pids(belongs)
+    return _eventually(lambda: not _live_pids(belongs))
 
 
 def _eventually(condition, within_s: float = 30.0) -> bool:
@@ -138,7 +161,7 @@ def _live_pids(belongs) -> set[int]:
         try:
             if process.status() != psutil.STATUS_ZOMBIE and belongs(process):
                 pids.add(process.pid)
-        except (psutil.Error, ProcessLookupError):
+        except (psutil.Error, OSError):
             continue  # gone while looked at
     return pids
 
@@ -163,7 +186,7 @@ def test_network_connection_is_refused():
 
 
 def test_socket_guard_refuses_connections_where_namespaces_are_refused(monkeypatch):
-    without_namespace = dataclasses.replace(sandbox._isolation(), unshare_flags=0)
+    without_namespace = dataclasses.replace(sandbox._isolation(), namespaces=False)
     monkeypatch.setattr(sandbox, "_isolation", lambda: without_namespace)
     with socket.create_server(("127.0.0.1", 0)) as server:
         inside = run_python(CONNECT.format(port=server.getsockname()[1]))
@@ -239,3 +262,264 @@ def test_batch_scores_each_episode_against_its_own_tests():
     wrong = "def square(x):\n    return x + x"
     tests = [["assert square(3) == 9"]] * 2 + [None]
     assert code_tests(["p"] * 3, [SQUARE, wrong, SQUARE], tests=tests) == [1.0, 0.0, None]
+
+
+def test_code_tests_score_inside_a_ray_actor(ray_session):
+    # A Ray worker has threads of its own: the sandbox forks nothing but the launcher.
+    import ray
+
+    scorer = ray.remote(num_cpus=0)(_Scorer).remote()
+    wrong = "def square(x):\n    return x + x"
+    tests = [["assert square(3) == 9", "assert square(2) == 4"]] * 2
+    scores = ray.get(scorer.score.remote([SQUARE, wrong], tests), timeout=120)
+    assert scores == [1.0, 0.5]
+
+
+class _Scorer:
+    def score(self, completions: list[str], tests: list[list[str]]) -> list[float | None]:
+        return code_tests(["p"] * len(completions), completions, tests=tests)
+
+
+# Hostile code. Each test below failed before the run got namespaces, a private tmpfs
+# and a seccomp filter: the code, as `nobody` in the host's pid and mount namespaces,
+# wrote into shared directories, made namespaces, outlived the run and killed other runs.
+
+
+@pytest.fixture
+def isolated():
+    """Skips where namespaces are refused: there, these attacks work (and are logged)."""
+    if not sandbox._isolation().namespaces:
+        pytest.skip("no namespaces on this machine: the sandbox logs what does not hold")
+
+
+def test_root_gets_every_layer_of_isolation():
+    if not AS_ROOT:
+        pytest.skip("as another user, namespaces depend on the machine's settings")
+    isolation = sandbox._isolation()
+    assert isolation.user is not None and isolation.namespaces and isolation.seccomp
+
+
+WRITE_AND_LIST = """\
+import os
+path = os.path.join({directory!r}, {name!r})
+try:
+    with open(path, "w") as file:
+        file.write("left by a run")
+    print("wrote", sorted(os.listdir({directory!r})))
+except OSError as error:
+    print("refused:", error)
+"""
+
+
+@pytest.mark.parametrize("directory", ["/tmp", "/var/tmp", "/dev/shm"])
+def test_shared_temporary_directories_are_private_to_the_run(isolated, directory):
+    name = f"rlray-sandbox-probe-{secrets.token_hex(8)}"
+    with _removed_afterwards(os.path.join(directory, name)) as outside:
+        first, second = (
+            run_python(WRITE_AND_LIST.format(directory=directory, name=name)) for _ in range(2)
+        )
+        assert not os.path.exists(outside)
+    assert first.stdout == second.stdout == f"wrote {[name]}\n", first.stderr
+
+
+@pytest.fixture
+def session_directories():
+    """Yields world-writable directories like Ray's session directory (/tmp/ray is
+    drwxrwxrwx): the real one where present, a stand-in in /tmp, and one outside every
+    temporary directory (so its own file system's)."""
+    outside = "/run" if AS_ROOT else os.path.expanduser("~")
+    stand_ins = [tempfile.mkdtemp(prefix="rlray-ray-"), tempfile.mkdtemp(dir=outside)]
+    for directory in stand_ins:
+        os.chmod(directory, 0o777)
+    try:
+        yield [*stand_ins, *(["/tmp/ray"] if os.path.isdir("/tmp/ray") else [])]
+    finally:
+        for directory in stand_ins:
+            shutil.rmtree(directory)
+
+
+def test_world_writable_directories_such_as_rays_session_are_not_writable(
+    isolated, session_directories
+):
+    name = f"rlray-sandbox-probe-{secrets.token_hex(8)}"
+    for directory in session_directories:
+        with _removed_afterwards(os.path.join(directory, name)) as outside:
+            result = run_python(WRITE_AND_LIST.format(directory=directory, name=name))
+            assert not os.path.exists(outside), directory
+        assert result.stdout.startswith("refused:"), result.stdout + result.stderr
+
+
+FILL_SHARED_MEMORY = """\
+written = 0
+try:
+    for index in range(96):
+        with open(f"/dev/shm/{prefix}-{{index}}", "wb") as file:
+            file.write(bytes(2**20))
+        written += 1
+except OSError:
+    pass
+print(written)
+"""
+
+
+def test_shared_memory_is_held_to_the_runs_tmpfs_size(isolated):
+    prefix = f"rlray-sandbox-probe-{secrets.token_hex(8)}"
+    try:
+        result = run_python(FILL_SHARED_MEMORY.format(prefix=prefix))
+        assert not list(Path("/dev/shm").glob(f"{prefix}-*"))
+    finally:
+        for path in Path("/dev/shm").glob(f"{prefix}-*"):
+            path.unlink()
+    assert 0 < int(result.stdout) <= SandboxLimits().tmp_mb  # MiB files, of 96 MiB
+
+
+MAKE_NAMESPACES = """\
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NEWUSER, NEWNET = 0x10000000, 0x40000000
+clone_args = (ctypes.c_uint64 * 8)(NEWUSER | NEWNET, 0, 0, 0, signal.SIGCHLD, 0, 0, 0)
+parent = os.getpid()
+result = {call}
+if os.getpid() != parent:  # the child of clone or clone3
+    os._exit(0)
+print("made" if result >= 0 else os.strerror(ctypes.get_errno()))
+"""
+NAMESPACE_CALLS = {
+    "unshare_user": "libc.unshare(NEWUSER)",
+    "unshare_user_and_network": "libc.unshare(NEWUSER | NEWNET)",
+    "clone_user": "libc.syscall(56, NEWUSER | signal.SIGCHLD, 0, 0, 0, 0)",
+    "clone3_user_and_network": "libc.syscall(435, clone_args, ctypes.sizeof(clone_args))",
+}
+
+
+@pytest.mark.parametrize("name", NAMESPACE_CALLS)
+def test_code_cannot_make_namespaces_of_its_own(isolated, name):
+    result = run_python(MAKE_NAMESPACES.format(call=NAMESPACE_CALLS[name]))
+    # clone3 looks absent, so that libc falls back to clone, whose flags the filter reads.
+    refusal = "Function not implemented" if name.startswith("clone3") else "Operation not permitted"
+    assert result.stdout == f"{refusal}\n", result.stderr
+
+
+THREADS_AND_CHILDREN = """\
+import subprocess, sys, threading
+results = []
+threads = [threading.Thread(target=results.append, args=(i,)) for i in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+child = subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True)
+print(sorted(results), child.stdout.decode().strip())
+"""
+
+
+def test_threads_and_child_processes_still_work_under_the_filter():
+    result = run_python(THREADS_AND_CHILDREN)
+    assert result.stdout == "[0, 1, 2, 3] child\n", result.stderr
+
+
+# Becomes a process that sleeps for a minute with "rlray-sandbox-probe-<token>" on its
+# command line (split here, so that a command line holding this source does not match).
+EXEC_SLEEPER = (
+    "os.execv(sys.executable, "
+    "[sys.executable, '-c', 'import time; time.sleep(60)', 'rlray-sandbox-probe-' + {token!r}])"
+)
+# Makes new user, pid and network namespaces if it can, then leaves a process in them,
+# in a session of its own, and a grandchild; waits until both run the sleeper (their
+# exec closes the pipe), then exits or hangs.
+LEAVE_PROCESSES = f"""\
+import ctypes, os, sys, time
+ctypes.CDLL(None).unshare(0x10000000 | 0x20000000 | 0x40000000)
+exec_done, exec_pending = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    os.fork()
+    {EXEC_SLEEPER}
+os.close(exec_pending)
+os.read(exec_done, 1)
+time.sleep({{linger}})
+"""
+
+
+@pytest.mark.parametrize("linger", [0, 60], ids=["code_exits", "code_times_out"])
+def test_processes_left_in_namespaces_of_their_own_die_with_the_run(isolated, linger):
+    token = secrets.token_hex(8)
+    with _killed_afterwards(token) as left:
+        result = run_python(
+            LEAVE_PROCESSES.format(token=token, linger=linger), SandboxLimits(timeout_s=2)
+        )
+        assert not left()
+    assert result.timed_out == bool(linger), result.stderr
+
+
+def test_run_dies_with_its_caller(isolated):
+    token = secrets.token_hex(8)
+    sleeper = "import os, sys\n" + EXEC_SLEEPER.format(token=token)
+    caller_code = (
+        f"from rlray.sandbox import run_python, SandboxLimits\n"
+        f"run_python({sleeper!r}, SandboxLimits(timeout_s=60))"
+    )
+    with _killed_afterwards(token) as left:
+        caller = subprocess.Popen([sys.executable, "-c", caller_code])
+        try:
+            assert _eventually(left)
+        finally:
+            caller.kill()
+            caller.wait()
+        assert _eventually(lambda: not left())
+
+
+KILL_EVERY_PROCESS = """\
+import os, signal, time
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    for pid in [-1, *pids]:
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+"""
+SLOW_SQUARE = "```python\nimport time\ntime.sleep(1)\ndef square(x):\n    return x * x\n```"
+
+
+def test_one_run_cannot_kill_another(isolated):
+    # kill(-1) as the runs' shared user once reached every run: only namespaces keep this
+    # test from killing every process of this user.
+    attack = KILL_EVERY_PROCESS.format(seconds=4)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        attacker = pool.submit(run_python, attack, SandboxLimits(timeout_s=10))
+        time.sleep(0.5)  # the attacker is running
+        score = code_tests(["p"], [SLOW_SQUARE], tests=[["assert square(3) == 9"]], timeout_s=10)
+        assert not attacker.done()
+    assert score == [1.0]
+    assert attacker.result().returncode == 0
+
+
+@contextlib.contextmanager
+def _removed_afterwards(path: str):
+    """Yields `path`, and removes what a run might have left there."""
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def _killed_afterwards(token: str):
+    """Yields a function that returns the live pids of EXEC_SLEEPER's sleepers for `token`,
+    and kills them at the end (what a failed test left)."""
+    marker = f"rlray-sandbox-probe-{token}"
+
+    def left() -> set[int]:
+        return _live_pids(lambda p: marker in p.cmdline())
+
+    try:
+        yield left
+    finally:
+        for pid in left():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

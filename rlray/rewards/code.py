@@ -1,7 +1,8 @@
 """The `code_tests` reward: the fraction of an episode's tests that its completion's code passes.
 
 Security model: completions are untrusted. An episode's code and tests run in one
-rlray.sandbox child (own directory; time, CPU, memory, process limits; no network; not root).
+rlray.sandbox child (own namespaces and temporary files, read-only file system, seccomp;
+time, CPU, memory, process limits; no network; not root: see that module for fallbacks).
 There the code's prints go to /dev/null and each test's result to a saved stdout, tagged with
 a random marker; a test counts if exactly one tagged line says it passed. This stops printed
 forgeries, not code that digs the marker out of the harness's frames (same process).
