@@ -16,6 +16,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # `python jobs/ppo.py` puts jobs/ on sys.path, not the repository; a cluster job's
@@ -24,14 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.actors import (
     ActorFailure,
-    actor_nodes,
+    actor_processes,
     connect,
-    local_actor_pids,
+    local_pids,
     required_cpus,
     start_actors,
     start_ingest,
 )
-from rlray.checkpoints import checkpoint_version
+from rlray.checkpoints import checkpoint_version, latest_checkpoint
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
 from rlray.driver import MetricsLog, RunPlan, TrainingDriver, plan_run, write_config
 from rlray.memory import MemoryMonitor, gib
@@ -52,10 +53,35 @@ def main(argv: list[str]) -> int:
         return 2
     write_config(plan)
     config = plan.config
-
-    # 2. Actors: rollout (vLLM), reward, buffer and learner, each named.
     connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
     print(f"run directory: {plan.run_dir}", flush=True)
+
+    # 2. Run; if an actor is lost for good (the learner, or a node), resume by itself.
+    for restart in range(config.ray.max_job_restarts + 1):
+        try:
+            return run(plan)
+        except RunLost as lost:
+            if restart == config.ray.max_job_restarts:
+                print(
+                    f"ppo.py: error: {lost} (gave up after {restart} restarts: "
+                    "ray.max_job_restarts)",
+                    file=sys.stderr,
+                )
+                return 1
+            plan = replace(plan, checkpoint=latest_checkpoint(plan.run_dir))
+            start = plan.checkpoint.name if plan.checkpoint else "the start"
+            print(f"ppo.py: {lost}; resuming from {start}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+class RunLost(Exception):
+    """An actor died and Ray did not bring it back: the run resumes from its checkpoint."""
+
+
+def run(plan: RunPlan) -> int:
+    """Starts the actors, trains, reports; returns the exit code."""
+    config = plan.config
+    MetricsLog(plan.run_dir).keep_before(first_step(plan))
     try:
         actors = start_actors(
             config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint)
@@ -63,10 +89,10 @@ def main(argv: list[str]) -> int:
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
-    placement = actor_nodes(actors, config.ray.call_timeout_s)
-    (plan.run_dir / "placement.json").write_text(json.dumps(placement, indent=2))
+    processes = actor_processes(actors, config.ray.call_timeout_s)
+    (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))
     driver = TrainingDriver(plan, actors, *resume_point(plan))
-    actor_pids = local_actor_pids(actors, config.ray.call_timeout_s)
+    actor_pids = local_pids(processes)
     memory = MemoryMonitor(lambda: actor_pids).start()
     trackers = open_trackers(plan)
     signal.signal(signal.SIGTERM, stop_on_sigterm)  # `ray job stop` stops like Ctrl-C
@@ -77,6 +103,8 @@ def main(argv: list[str]) -> int:
             print(f"ingestion endpoint: {url}", flush=True)
         summary = train(plan, driver, memory, MetricsLog(plan.run_dir, trackers))
     except ActorFailure as err:
+        if err.died:
+            raise RunLost(str(err)) from err
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -132,6 +160,12 @@ def open_trackers(plan: RunPlan) -> Trackers:
 
 def stop_on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def first_step(plan: RunPlan) -> int:
+    """Returns the first step this run logs: 0 (the evaluation before training) for a
+    fresh start, else the step after the checkpoint's."""
+    return checkpoint_version(plan.checkpoint) + 1 if plan.checkpoint else 0
 
 
 def resume_point(plan: RunPlan) -> tuple[int, int]:

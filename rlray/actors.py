@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from aiohttp import web
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
@@ -43,11 +44,33 @@ from rlray.step_metrics import StepMetrics
 class ActorFailure(RuntimeError):
     """A remote call failed or timed out; the message names the actor and its last error.
     `died` is True when the actor's process (or node) died, False for an error raised by
-    the call or a timeout."""
+    the call or a timeout; `actor_id` is the dead actor's id where Ray names it (it can be
+    another actor than the one called: the one that made the call's argument)."""
 
-    def __init__(self, message: str, died: bool = False):
+    def __init__(
+        self,
+        message: str,
+        died: bool = False,
+        actor_id: str | None = None,
+        restarting: bool = False,
+    ):
         super().__init__(message)
         self.died = died
+        self.actor_id = actor_id
+        self.restarting = restarting
+        """Ray is restarting the actor (it answers once it is up again)."""
+
+
+class ActorRestarted(RuntimeError):
+    """Raised by a restarted actor whose state its caller must restore first (a rollout
+    worker's weights, the buffer's batches): a restart between two calls is otherwise
+    invisible to the caller."""
+
+
+def _restarted() -> bool:
+    with warnings.catch_warnings():  # Ray's own property reads a deprecated one
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
@@ -57,10 +80,13 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
     except GetTimeoutError:
         raise ActorFailure(f"{actor}: no answer to {what} within {timeout_s:.0f} s") from None
     except RayTaskError as err:
-        raise ActorFailure(f"{actor}: {what} failed: {_last_line(err)}") from err
+        restarted = isinstance(err.cause, ActorRestarted)
+        message = f"{actor}: {what} failed: {_last_line(err)}"
+        raise ActorFailure(message, died=restarted) from err
     except RayActorError as err:
         message = f"{actor} died during {what}: {_last_line(err)}"
-        raise ActorFailure(message, died=True) from err
+        restarting = isinstance(err, ActorUnavailableError)
+        raise ActorFailure(message, True, err.actor_id, restarting) from err
 
 
 def _last_line(err: Exception) -> str:
@@ -128,8 +154,14 @@ class RolloutActor(RolloutWorker):
         super().__init__(*args, **kwargs)
         self.telemetry = Telemetry(self.run_id, self.name)
         self.telemetry.set("rlray_policy_version", self.policy_version)
+        self.awaiting_weights = _restarted()  # restarted by Ray: holds the base model
+
+    def _check_weights(self) -> None:
+        if self.awaiting_weights:
+            raise ActorRestarted(f"{self.name} was restarted and has not loaded weights since")
 
     def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
+        self._check_weights()
         episodes, stats = super().generate(rows, first_prompt_index)
         self.telemetry.set(
             "rlray_rollout_tokens_per_second", stats.completion_tokens / stats.seconds
@@ -138,6 +170,7 @@ class RolloutActor(RolloutWorker):
         return episodes, stats
 
     def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+        self._check_weights()
         result = super().evaluate(rows, examples)
         self.telemetry.set("rlray_eval_accuracy", result.accuracy)
         return result
@@ -151,6 +184,7 @@ class RolloutActor(RolloutWorker):
         architecture = self.llm.model_config.architecture
         weights = weights_for_vllm(unpack_weights(packed), packed.tied_output, architecture)
         seconds = self.load_weights(version, weights)
+        self.awaiting_weights = False
         self.telemetry.set("rlray_policy_version", self.policy_version)
         return self.policy_version, seconds
 
@@ -174,19 +208,44 @@ class RewardActor(RewardWorker):
 
 
 class BufferActor(EpisodeBuffer):
-    """The EpisodeBuffer, reporting depth, stale drops and staleness for the dashboard."""
+    """The EpisodeBuffer, reporting depth, stale drops and staleness for the dashboard.
+    Restarted by Ray, it refuses every call but `restore` until its producer restored it."""
 
     def __init__(self, run_id: str, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.telemetry = Telemetry(run_id)
         self.telemetry.set("rlray_dropped_stale", 0)
         self.telemetry.set("rlray_buffer_depth", 0)
+        self.awaiting_restore = _restarted()
+
+    def _check_restored(self) -> None:
+        if self.awaiting_restore:
+            raise ActorRestarted("buffer was restarted and has not been restored since")
+
+    def restore(self, batches: list[BufferedBatch], reserved_episodes: int) -> None:
+        super().restore(batches, reserved_episodes)
+        self.awaiting_restore = False
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+
+    def reserve(self, num_episodes: int) -> bool:
+        self._check_restored()
+        return super().reserve(num_episodes)
+
+    def stats(self) -> dict[str, int]:
+        self._check_restored()
+        return super().stats()
+
+    def drain(self) -> list[BufferedBatch]:
+        self._check_restored()
+        return super().drain()
 
     def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
+        self._check_restored()
         super().add(batch, reserved)
         self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
 
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
+        self._check_restored()
         taken = super().take(num_episodes, learner_version)
         self.telemetry.set("rlray_dropped_stale", self.dropped_stale_episodes)
         self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
@@ -215,6 +274,11 @@ class Actors:
     def handle(self, name: str) -> Any:
         """Returns the handle of the actor called `name`."""
         return dict(self.all())[name]
+
+    def name_of(self, actor_id: str | None) -> str | None:
+        """Returns the name of the actor with this (hex) id, None if not one of ours."""
+        ids = {handle._actor_id.hex(): name for name, handle in self.all()}
+        return ids.get(actor_id) if actor_id else None
 
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
@@ -437,26 +501,21 @@ def _model_for_actors(config: Config, model_path: str) -> str:
     return config.model.path if config.model.path == BUILTIN_MODEL else model_path
 
 
-def actor_nodes(actors: Actors, timeout_s: float) -> dict[str, str]:
-    """Returns {actor name: id of the node it runs on}."""
+def actor_processes(actors: Actors, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Returns {actor name: {"node": node id, "pid": process id}} (what placement.json
+    records: where each actor runs, and which process to look at, or kill in a test)."""
 
-    def node_of(_: Any) -> str:
-        return ray.get_runtime_context().get_node_id()
+    def process_of(_: Any) -> dict[str, Any]:
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    refs = {name: handle.__ray_call__.remote(node_of) for name, handle in actors.all()}
-    return {name: wait_for(ref, name, "node lookup", timeout_s) for name, ref in refs.items()}
-
-
-def local_actor_pids(actors: Actors, timeout_s: float) -> list[int]:
-    """Returns the process ids of the actors that run on the caller's node."""
-
-    def process_of(_: Any) -> tuple[str, int]:
-        return ray.get_runtime_context().get_node_id(), os.getpid()
-
-    here = ray.get_runtime_context().get_node_id()
     refs = {name: handle.__ray_call__.remote(process_of) for name, handle in actors.all()}
-    found = [wait_for(ref, name, "process lookup", timeout_s) for name, ref in refs.items()]
-    return [pid for node, pid in found if node == here]
+    return {name: wait_for(ref, name, "process lookup", timeout_s) for name, ref in refs.items()}
+
+
+def local_pids(processes: dict[str, dict[str, Any]]) -> list[int]:
+    """Returns the process ids of the actors that run on the caller's node."""
+    here = ray.get_runtime_context().get_node_id()
+    return [p["pid"] for p in processes.values() if p["node"] == here]
 
 
 class IngestActor:

@@ -360,13 +360,11 @@ class TrainingDriver:
         """Waits for Ray to restart the dead actor `name` and brings it up to date (a
         rollout worker loads the current weights; the buffer gets its batches back).
         Raises the failure, still marked died, if Ray does not restart it."""
-        logger.warning("%s; waiting for Ray to restart it", failure)
-        handle = self.actors.handle(name)
-        timeout = self.config.ray.actor_start_timeout_s
-        try:
-            wait_for(handle.__ray_ready__.remote(), name, "restart", timeout)
-        except ActorFailure as again:
-            raise ActorFailure(f"{failure} (not restarted: {again})", died=True) from None
+        name = self.actors.name_of(failure.actor_id) or name  # the one that died
+        if name == "learner":  # not restarted: its weights would be lost
+            raise ActorFailure(f"learner died; {failure}", died=True) from failure
+        logger.warning("%s; waiting for Ray to restart %s", failure, name)
+        self._wait_until_up(name, failure)
         self.restarts[name] = self.restarts.get(name, 0) + 1
         if name in self.actors.rollout_names:
             self._load_weights(self.actors.rollout_names.index(name))
@@ -379,6 +377,19 @@ class TrainingDriver:
                 self._submit_store_write(key, write)
         logger.warning("%s restarted (restart %d of this run)", name, self.restarts[name])
 
+    def _wait_until_up(self, name: str, failure: ActorFailure) -> None:
+        """Waits until the restarted actor answers; raises, naming it, if Ray gave up."""
+        handle = self.actors.handle(name)
+        deadline = time.monotonic() + self.config.ray.actor_start_timeout_s
+        while True:
+            try:
+                wait_for(handle.__ray_ready__.remote(), name, "restart", self.timeout)
+                return
+            except ActorFailure as again:
+                if not again.restarting or time.monotonic() > deadline:
+                    raise ActorFailure(f"{failure} (not restarted: {again})", died=True) from None
+            time.sleep(0.5)
+
     def _retrying(self, name: str, call: Callable[[], Any], what: str) -> Any:
         """Returns the result of `call()` (a remote call on actor `name`), made again on
         the restarted actor for as long as Ray restarts it."""
@@ -386,7 +397,7 @@ class TrainingDriver:
             try:
                 return wait_for(call(), name, what, self.timeout)
             except ActorFailure as err:
-                if not err.died or name == "learner":
+                if not err.died:
                     raise
                 self._recover(name, err)
 
@@ -612,6 +623,13 @@ class MetricsLog:
             out.write(json.dumps(record) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
+
+    def keep_before(self, step: int) -> None:
+        """Drops the lines of `step` and later: a resumed run logs them again, so that
+        no step appears twice."""
+        kept = [json.dumps(r) + "\n" for r in self.read() if r["step"] < step]
+        if self.path.exists():
+            self.path.write_text("".join(kept))
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

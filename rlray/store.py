@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlray.config import StoreConfig
-from rlray.episode import Episode, from_table, to_table
+from rlray.episode import Episode, from_table, to_table, validate_episodes
 
 
 class Uploader(Protocol):
@@ -55,20 +55,25 @@ class StoreStats:
 
 class Journal:
     """The appends a store has not yet written to files, on disk, one Arrow IPC file each:
-    `<seq>-<key>.arrow` (written under a temporary name, then renamed). `keys` lists the
-    keys of appends already written to files. Survives the death of the process, not of
-    the machine (no fsync)."""
+    `<seq>-<key>.arrow` (written under a temporary name, then renamed). `written` lists
+    "<seq> <key>" of appends already written to files; `id` names the journal in the
+    files its store writes. Survives the death of the process, not of the machine (no
+    fsync)."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._written_keys = self.directory / "keys"
-        self.keys = (
-            set(self._written_keys.read_text().split()) if self._written_keys.exists() else set()
-        )
+        id_file = self.directory / "id"
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        self.id = id_file.read_text().strip()
+        self._written = self.directory / "written"
+        lines = self._written.read_text().split("\n") if self._written.exists() else []
+        seqs_keys = [line.split(" ") for line in lines if line.count(" ") == 1]
         self.pending = sorted(self.directory.glob("*.arrow"))
-        self.keys.update(_JOURNAL_NAME.fullmatch(path.name)[2] for path in self.pending)
-        self._next_seq = int(self.pending[-1].name.split("-")[0]) + 1 if self.pending else 0
+        seqs_keys += [list(_JOURNAL_NAME.fullmatch(p.name).groups()) for p in self.pending]
+        self.keys = {key for _, key in seqs_keys}
+        self._next_seq = max((int(seq) for seq, _ in seqs_keys), default=-1) + 1
         for path in self.directory.glob("*.tmp"):
             path.unlink()  # an append cut short: it never returned, its caller retries
 
@@ -94,10 +99,10 @@ class Journal:
         return int(self.pending[0].name.split("-")[0])
 
     def written(self) -> None:
-        """Marks every pending append as written to files: keys first, then deletes."""
-        keys = [_JOURNAL_NAME.fullmatch(path.name)[2] for path in self.pending]
-        with self._written_keys.open("a") as out:
-            out.write("".join(f"{key}\n" for key in keys))
+        """Marks every pending append as written to files: listed first, then deleted."""
+        seqs_keys = [_JOURNAL_NAME.fullmatch(path.name).groups() for path in self.pending]
+        with self._written.open("a") as out:
+            out.write("".join(f"{seq} {key}\n" for seq, key in seqs_keys))
         for path in self.pending:
             path.unlink()
         self.pending = []
@@ -140,6 +145,7 @@ class EpisodeStore:
         """Buffers the episodes (journaled under `key` if the store has a journal); writes
         files once enough rows or time have gathered. Returns how many episodes were
         added: 0 for a key appended before."""
+        validate_episodes(episodes, where="store append")  # before anything is written
         if self.journal is not None:
             key = key or uuid.uuid4().hex
             if key in self.journal.keys:
@@ -161,7 +167,8 @@ class EpisodeStore:
         written = []
         # With a journal, names depend only on what is written, so redoing a flush that
         # a dead process started replaces its files instead of adding copies.
-        stamp = f"j{self.journal.first_pending_seq():012d}" if self.journal else _file_stamp()
+        journal = self.journal
+        stamp = f"{journal.id}-{journal.first_pending_seq():012d}" if journal else _file_stamp()
         for chunk_index, start in enumerate(range(0, len(self._buffer), self.rows_per_file)):
             chunk = self._buffer[start : start + self.rows_per_file]
             for run_id, episodes in _by_run(chunk).items():

@@ -147,7 +147,8 @@ def test_placement_groups_spread_rollouts_and_give_the_learner_its_node(
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    nodes = json.loads((run_dir / "placement.json").read_text())
+    placement = json.loads((run_dir / "placement.json").read_text())
+    nodes = {name: where["node"] for name, where in placement.items()}
     assert nodes["rollout-0"] != nodes["rollout-1"]  # spread over the two rollout nodes
     assert nodes["learner"] not in {nodes["rollout-0"], nodes["rollout-1"]}
     for record in metrics(run_dir):  # every worker loaded every new version

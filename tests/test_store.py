@@ -65,8 +65,9 @@ def test_journal_keeps_appends_a_dead_store_had_not_written(tmp_path):
     # Keys of written appends are remembered too: a retry after a flush adds nothing.
     third = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=100, journal_dir=journal)
     assert third.recovered == 0 and third.append(episodes(2, start=3), key="b") == 0
+    third.append(episodes(1, start=5), key="c")  # a new file, next to the earlier ones
     third.close()
-    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(5)]
+    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(6)]
 
 
 def test_a_flush_cut_short_is_redone_without_copies(tmp_path, monkeypatch):

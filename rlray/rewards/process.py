@@ -6,7 +6,7 @@ with it. In a child process they end only the child: the call fails (the episode
 scored count as that reward's failures), and the next call starts a fresh child. A call
 past its timeout kills the child too, so a stuck reward stops using the CPU.
 
-The child is `python -m rlray.rewards.process FD`, not a multiprocessing spawn: inside a
+The child is `python -m rlray.rewards.child FD`, not a multiprocessing spawn: inside a
 Ray actor, spawn would re-import Ray's worker script as the child's main module. Requests
 and answers are pickled over a socket pair (file descriptor FD), so what user code prints
 on stdout cannot corrupt them. The child loads every reward once when it starts (classes
@@ -45,7 +45,7 @@ class RewardProcess:
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "rlray.rewards.process", str(theirs.fileno())],
+            [sys.executable, "-m", "rlray.rewards.child", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
         )
         theirs.close()
@@ -100,44 +100,3 @@ def _exit_reason(code: int | None) -> str:
     if code is not None and code < 0:
         return f"killed by signal {signal.Signals(-code).name}"
     return "sys.exit or os._exit in reward code" if code else "exited"
-
-
-def _serve(conn: Connection) -> None:
-    """The child's loop: load the rewards, then answer calls until the parent goes."""
-    from rlray.rewards.loading import accepted_columns, load_reward
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent_path, specs = conn.recv()
-    sys.path[:] = parent_path
-    try:
-        rewards = [load_reward(spec) for spec in specs]
-    except BaseException as err:
-        conn.send(("error", _describe(err)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            index, arguments = conn.recv()
-        except EOFError:
-            return  # the reward worker is gone
-        reward = rewards[index]
-        columns = arguments.pop("columns")
-        try:
-            value = reward.fn(**arguments, **accepted_columns(reward.fn, columns), **reward.kwargs)
-        except BaseException as err:  # SystemExit and KeyboardInterrupt too: a failed call
-            conn.send(("error", _describe(err)))
-            continue
-        try:
-            conn.send(("ok", value))
-        except Exception as err:
-            conn.send(("error", f"returned a value that cannot be sent back: {_describe(err)}"))
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, SystemExit):
-        return f"called sys.exit({err.code!r})"
-    return f"raised {type(err).__name__}: {err}"
-
-
-if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1])))
