@@ -151,7 +151,10 @@ def test_setup_installs_the_mounted_repo_with_a_defined_extra(name):
     assert installs == [("rlray", "gpu")]
     (directory, extra) = installs[0]
     assert extra in extras
-    assert f"~/{directory}" in config["file_mounts"]
+    # The whole repository, or what pip needs of it: pyproject.toml, its readme, the package.
+    mounts = config["file_mounts"]
+    needed = {f"~/{directory}/{path}": path for path in ("pyproject.toml", "README.md", "rlray")}
+    assert f"~/{directory}" in mounts or needed.items() <= mounts.items(), mounts
 
 
 @pytest.mark.parametrize("name", CLUSTER_FILES)
