@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from aiohttp import web
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+)
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
@@ -53,12 +59,15 @@ class ActorFailure(RuntimeError):
         died: bool = False,
         actor_id: str | None = None,
         restarting: bool = False,
+        lost: bool = False,
     ):
         super().__init__(message)
         self.died = died
         self.actor_id = actor_id
         self.restarting = restarting
         """Ray is restarting the actor (it answers once it is up again)."""
+        self.lost = lost
+        """An object the call needed was lost with its node: make it again, then retry."""
 
 
 class ActorRestarted(RuntimeError):
@@ -87,6 +96,9 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
         message = f"{actor} died during {what}: {_last_line(err)}"
         restarting = isinstance(err, ActorUnavailableError)
         raise ActorFailure(message, True, err.actor_id, restarting) from err
+    except ObjectLostError as err:
+        message = f"{actor}: {what} lost its input with a node: {_last_line(err)}"
+        raise ActorFailure(message, died=True, lost=True) from err
 
 
 def _last_line(err: Exception) -> str:

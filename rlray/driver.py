@@ -328,7 +328,10 @@ class TrainingDriver:
             if not err.died:
                 raise
             self._recover(self._reward_name(item), err)
-            self._score(item)
+            if err.lost:  # the generated episodes went with their node
+                self._generate(item)
+            else:
+                self._score(item)
             return
         self.in_flight.remove(item)
         batch = BufferedBatch(
@@ -360,6 +363,9 @@ class TrainingDriver:
         """Waits for Ray to restart the dead actor `name` and brings it up to date (a
         rollout worker loads the current weights; the buffer gets its batches back).
         Raises the failure, still marked died, if Ray does not restart it."""
+        if failure.lost:
+            logger.warning("%s; making it again", failure)
+            return
         name = self.actors.name_of(failure.actor_id) or name  # the one that died
         if name == "learner":  # not restarted: its weights would be lost
             raise ActorFailure(f"learner died; {failure}", died=True) from failure
@@ -397,7 +403,7 @@ class TrainingDriver:
             try:
                 return wait_for(call(), name, what, self.timeout)
             except ActorFailure as err:
-                if not err.died:
+                if not err.died or err.lost:  # a lost input is not made again by a retry
                     raise
                 self._recover(name, err)
 
@@ -550,6 +556,10 @@ class TrainingDriver:
             try:
                 wait_for(write.ref, "store", "append", self.timeout)
             except ActorFailure as err:
+                if err.lost:  # nothing left to send again
+                    logger.error("episodes lost before they were stored: %s", err)
+                    del self.store_writes[key]
+                    continue
                 if not err.died:
                     raise
                 self._recover("store", err)  # resends every unconfirmed write

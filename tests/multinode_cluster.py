@@ -4,7 +4,8 @@
 
 Starts a head (1 CPU), two rollout nodes (custom resource rollout_node) and a learner
 node (learner_node), writes the cluster's address to ADDRESS_FILE, and keeps it up until
-stdin closes.
+stdin closes. A line `replace rollout` on stdin kills the first rollout node at once (as
+a machine that fails) and adds a new one in its place.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ def main(address_file: str) -> None:
         initialize_head=True,
         head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": 300e6},
     )
-    for resources in ({"rollout_node": 1}, {"rollout_node": 1}, {"learner_node": 1}):
-        cluster.add_node(num_cpus=1, resources=resources, object_store_memory=300e6)
+    rollout_nodes = [add_node(cluster, "rollout_node"), add_node(cluster, "rollout_node")]
+    add_node(cluster, "learner_node")
     cluster.wait_for_nodes()
     Path(address_file).write_text(cluster.address)
-    sys.stdin.read()  # until the test closes our stdin
+    for line in sys.stdin:  # until the test closes our stdin
+        if line.strip() == "replace rollout":
+            cluster.remove_node(rollout_nodes.pop(0), allow_graceful=False)
+            rollout_nodes.append(add_node(cluster, "rollout_node"))
     cluster.shutdown()
+
+
+def add_node(cluster: Cluster, resource: str):
+    return cluster.add_node(num_cpus=1, resources={resource: 1}, object_store_memory=300e6)
 
 
 if __name__ == "__main__":
