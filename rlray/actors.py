@@ -28,6 +28,7 @@ from ray.exceptions import (
     RayActorError,
     RayTaskError,
 )
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
@@ -428,7 +429,16 @@ def start_actors(
         ],
         reward_names=reward_names,
         store=ray.remote(StoreActor)
-        .options(name="store", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
+        .options(
+            name="store",
+            num_cpus=0,
+            max_restarts=config.ray.max_actor_restarts,
+            # Beside the driver: it writes into the run directory (the driver's disk),
+            # and a restarted store must find its journal there.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            ),
+        )
         .remote(config.store, config.run_dir, run_id),
         placement=placement,
     )

@@ -305,8 +305,13 @@ class Engine:
 
     def _optimizer_step(self) -> float:
         norm = nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        norms = {"policy": norm}
         if self.critic is not None:
-            nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+            norms["critic"] = nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+        for model, value in norms.items():
+            if not torch.isfinite(value):  # a finite loss can still overflow backward
+                self.optimizer.zero_grad(set_to_none=True)
+                raise rm.NonFiniteError(f"{model} gradient norm is not finite ({float(value)})")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
