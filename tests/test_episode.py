@@ -1,6 +1,8 @@
 """The episode type round-trips through its pyarrow schema without loss, and its one
 validation names every value the schema or the model cannot take."""
 
+import dataclasses
+import math
 import re
 
 import pyarrow as pa
@@ -28,7 +30,8 @@ def make_episode(**overrides) -> Episode:
         completion="42",
         prompt_token_ids=[4, 5, 13, 6, 3, 16],
         completion_token_ids=[7, 5, 1],
-        rollout_logprobs=[-0.5, -0.25, -0.125],
+        # Real logprobs: not exact in float32 (nor in bfloat16 or float16).
+        rollout_logprobs=[math.log(p) for p in (0.3, 0.55, 0.9)],
         finish_reason="stop",
         policy_version=2,
         rollout_worker="rollout-0",
@@ -51,11 +54,26 @@ def make_episode(**overrides) -> Episode:
 def test_every_field_round_trips():
     episodes = [
         make_episode(),
-        make_episode(episode_id="run-3-2", reward=None, reward_components={}),
+        make_episode(
+            episode_id="run-3-2",
+            reward=None,
+            reward_components={},
+            rollout_logprobs=[math.log(p) for p in (0.7, 0.05, 0.999)],
+        ),
     ]
     table = to_table(episodes)
     assert table.schema.equals(EPISODE_SCHEMA, check_metadata=True)
-    assert from_table(table) == episodes
+    restored = from_table(table)
+    # Logprobs are stored as float32: they come back rounded to nearest, within half a
+    # float32 unit in the last place (relative 2**-24) of each episode's own values;
+    # float16 or bfloat16 storage, or values swapped between episodes, are far outside.
+    for back, sent in zip(restored, episodes, strict=True):
+        assert back.rollout_logprobs == pytest.approx(sent.rollout_logprobs, rel=2**-24, abs=0)
+        assert back.rollout_logprobs != sent.rollout_logprobs  # rounded: == means nothing
+    # Every other field comes back exactly.
+    assert [dataclasses.replace(e, rollout_logprobs=[]) for e in restored] == [
+        dataclasses.replace(e, rollout_logprobs=[]) for e in episodes
+    ]
 
 
 def test_schema_covers_every_episode_field():

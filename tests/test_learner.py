@@ -70,6 +70,15 @@ def plain_logprobs(model: torch.nn.Module, episodes: list[Episode]) -> list[list
     return result
 
 
+def plain_logprob_gap(model: torch.nn.Module, episodes: list[Episode]) -> float:
+    """Returns max |rollout logprob - plain_logprobs| over every sampled token."""
+    return max(
+        abs(a - b)
+        for e, plain in zip(episodes, plain_logprobs(model, episodes), strict=True)
+        for a, b in zip(e.rollout_logprobs, plain, strict=True)
+    )
+
+
 def episodes_for(
     learner: Learner, completions: dict[str, float], prompt: str = PROMPT, prompt_index: int = 0
 ) -> list[Episode]:
