@@ -5,7 +5,8 @@
   which leaves ~/.ray/auth_token behind as `make run` does.
 - `ray up cluster-local.yaml` against an sshd on loopback as the "remote" head: its
   setup and start commands as the file has them (the pip install aside: the head reuses
-  this virtualenv), `ray dashboard`, `ray job submit`, `ray down`.
+  this virtualenv), `ray dashboard`, `ray job submit`, `ray down`, with token
+  authentication on (the head refuses a request without the token).
 
 Both run in namespaces of their own (tests/isolated_host.py), so their `ray start` and
 `ray stop` never meet the test session's cluster or anyone else's Ray. The only change
@@ -212,10 +213,16 @@ mkdir -p /run/sshd  # sshd's privilege separation directory
 cd {shlex.quote(str(REPO))}
 . .venv/bin/activate
 set -x
+ray get-auth-token --generate > /dev/null  # a fresh home has no token
+export RAY_AUTH_MODE=token
 ray up -y {cluster}
 # The head's dashboard holds 8265 on this shared loopback: forward another port.
 ray dashboard --port 8266 {cluster} > {tmp_path}/dashboard.log 2>&1 &
 python -c {shlex.quote(WAIT_FOR_PORT)} 8266
+if env -u RAY_AUTH_MODE ray job list --address http://127.0.0.1:8266 > {tmp_path}/no-token.log 2>&1
+then echo "the head took a request without the token"; exit 1
+fi
+grep "AuthenticationError" {tmp_path}/no-token.log
 ray job submit --address http://127.0.0.1:8266 --working-dir . -- {job}
 ray down -y {cluster}
 ! pgrep -f raylet || {{ echo "ray down left a raylet"; exit 1; }}

@@ -117,6 +117,7 @@ def test_broken_local_cluster_config_fails_validation():
 def test_cluster_config_names_only_paths_that_exist(name):
     config = load_cluster(name)
     sources = list(config["file_mounts"].values()) + config.get("rsync_filter", [])
+    sources = [path for path in sources if not path.startswith("~/")]  # the user's files
     # Repository files the comments and commands mention (remote paths start with / or ~/).
     mentioned = re.findall(
         r"(?<![\w./~$-])[\w-]+(?:/[\w.-]+)*\.(?:py|toml|json|yaml|md)\b",
