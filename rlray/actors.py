@@ -90,8 +90,10 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
     except GetTimeoutError:
         raise ActorFailure(f"{actor}: no answer to {what} within {timeout_s:.0f} s") from None
     except RayTaskError as err:
-        restarted = isinstance(err.cause, ActorRestarted)
         message = f"{actor}: {what} failed: {_last_line(err)}"
+        if isinstance(err.cause, RayActorError):  # the actor that made an argument died
+            raise ActorFailure(message, died=True, actor_id=err.cause.actor_id) from err
+        restarted = isinstance(err.cause, ActorRestarted)
         raise ActorFailure(message, died=restarted) from err
     except RayActorError as err:
         message = f"{actor} died during {what}: {_last_line(err)}"

@@ -66,7 +66,15 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
 
     Resolves the model (building the embedded one on first use), reads the prompts,
     checks that every prompt fits the context window and that reward functions load.
+    The cheap checks (checkpoint, run directory) come first.
     """
+    checkpoint = None
+    if resume_dir is not None:
+        checkpoint = latest_checkpoint(resume_dir)
+        if checkpoint is None:
+            raise ConfigError(f"--resume: no complete checkpoint under {resume_dir}/checkpoints")
+    run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    _check_writable(run_dir)
     prompts = train_prompts(config.data, config.seed)
     held_out = eval_rows(config.data)
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
@@ -82,13 +90,6 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
         )
         if warning := lost_characters_warning(rows, [t.read_as for t in read], source):
             logger.warning("warning: %s", warning)
-    checkpoint = None
-    if resume_dir is not None:
-        checkpoint = latest_checkpoint(resume_dir)
-        if checkpoint is None:
-            raise ConfigError(f"--resume: no complete checkpoint under {resume_dir}/checkpoints")
-    run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    _check_writable(run_dir)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
 

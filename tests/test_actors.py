@@ -138,7 +138,7 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     second = driver.in_flight[1]
     # rollout-0 started the next batch while reward-slow still scores the first.
     assert ray.wait([first.score_stats], timeout=0)[0] == []
-    assert second.policy_version == first.policy_version
+    assert ray.get(second.generate_stats).policy_version == first.generated.policy_version
     driver.drain()
     ray.kill(slow_scorer)
 

@@ -1,16 +1,17 @@
 """The cluster commands as a user types them, run for real.
 
-- The README's one-machine cluster lines, taken from README.md itself, run in order in a
-  fresh shell (clean environment, a fresh home directory) right after a short local run,
-  which leaves ~/.ray/auth_token behind as `make run` does.
+- The README's one-machine cluster lines, taken from README.md itself, run exactly as
+  they stand, in order, in a fresh shell (clean environment, a fresh home directory)
+  right after a short local run, which leaves ~/.ray/auth_token behind as `make run`
+  does. Their job is the default job, so this test also checks that the default job
+  (what `make run` runs) raises held-out accuracy by at least 20 points.
 - `ray up cluster-local.yaml` against an sshd on loopback as the "remote" head: its
   setup and start commands as the file has them (the pip install aside: the head reuses
   this virtualenv), `ray dashboard`, `ray job submit`, `ray down`, with token
   authentication on (the head refuses a request without the token).
 
 Both run in namespaces of their own (tests/isolated_host.py), so their `ray start` and
-`ray stop` never meet the test session's cluster or anyone else's Ray. The only change
-to the typed lines: tiny job sizes appended to `python jobs/ppo.py`.
+`ray stop` never meet the test session's cluster or anyone else's Ray.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlray.config import LearnerConfig
 from rlray.models import cache_dir
 from tests.isolated_host import FRESH_PATH, missing_tools, run_isolated
 from tests.jobs_helper import REPO, SHORT_RUN
@@ -44,6 +46,12 @@ VENV = Path(sys.executable).parent.parent
 TINY_JOB = [*SHORT_RUN, "--learner.steps", "1"]
 FITS_TWO_CPUS = ["--learner.cpus", "0.5", "--reward.cpus_per_worker", "0.5"]
 SUCCEEDED = re.compile(r"Job 'raysubmit_\w+' succeeded")
+# The default job's last words: its steps and held-out accuracy before and after.
+DEFAULT_JOB_DONE = re.compile(
+    rf"^done: {LearnerConfig().steps} steps, "
+    r"held-out accuracy (?P<initial>[\d.]+) -> (?P<final>[\d.]+)",
+    re.M,
+)
 SYSTEM_PACKAGES = {"sshd": "openssh-server", "rsync": "rsync", "ip": "iproute2"}
 # Waits up to 60 s for something to listen on 127.0.0.1:PORT (argv[1]).
 WAIT_FOR_PORT = (
@@ -60,14 +68,6 @@ def readme_local_cluster_lines() -> list[str]:
     found = [b for b in blocks if re.search(r"^ray start --head", b, re.M)]
     assert len(found) == 1, f"README.md has {len(found)} bash blocks with `ray start --head`"
     return found[0].splitlines()
-
-
-def with_tiny_job(lines: list[str], extra: list[str]) -> list[str]:
-    """Returns the lines with tiny job sizes after every `python jobs/ppo.py`."""
-    args = " ".join(map(shlex.quote, extra))
-    changed = [re.sub(r"python jobs/ppo\.py\b", rf"python jobs/ppo.py {args}", x) for x in lines]
-    assert changed != lines, "no `python jobs/ppo.py` line"
-    return changed
 
 
 def fresh_home(path: Path) -> Path:
@@ -88,7 +88,7 @@ def test_readme_local_cluster_lines_work_in_a_fresh_shell_after_a_local_run(tmp_
     assert any(line.startswith("ray job submit") for line in lines)
     assert any(line.startswith("ray stop") for line in lines)
     home = fresh_home(tmp_path / "home")
-    (tmp_path / "readme-lines.sh").write_text("\n".join(with_tiny_job(lines, TINY_JOB)) + "\n")
+    (tmp_path / "readme-lines.sh").write_text("\n".join(lines) + "\n")
     local_run = shlex.join(
         [sys.executable, "jobs/ppo.py", *TINY_JOB, "--run-dir", str(tmp_path / "local-run")]
     )
@@ -103,7 +103,9 @@ env -i HOME="$HOME" PATH={FRESH_PATH} bash -ex {tmp_path}/readme-lines.sh
     result = run_isolated(script, tmp_path, env, timeout=900)
     assert result.returncode == 0, tail(result.stdout)
     assert SUCCEEDED.search(result.stdout), tail(result.stdout)
-    assert "done: 1 steps" in result.stdout, tail(result.stdout)
+    done = DEFAULT_JOB_DONE.search(result.stdout)
+    assert done, tail(result.stdout)
+    assert float(done["final"]) - float(done["initial"]) >= 0.20, done[0]
 
 
 # --- ray up cluster-local.yaml, with sshd on loopback as the head ------------------------

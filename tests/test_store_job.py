@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import boto3
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
@@ -33,6 +34,25 @@ def start_job(args: list[str], env: dict[str, str]) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+    )
+
+
+def trained_steps(run_dir) -> list[int]:
+    """Returns, per logged learner step, how many posted episodes it trained on
+    (beyond its whole batches of 32)."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return [r["episodes"] % 32 for r in metrics(run_dir)]
+
+
+def prompt_samples(table) -> set[tuple[int, int]]:
+    """Returns the (prompt index, sample index) pairs of a table of episodes."""
+    return set(
+        zip(
+            table.column("prompt_index").to_pylist(),
+            table.column("sample_index").to_pylist(),
+            strict=True,
+        )
     )
 
 
@@ -79,10 +99,9 @@ def test_every_episode_reaches_s3_across_an_outage(job_env, tmp_path, monkeypatc
         _, err = job.communicate(timeout=600)
         assert job.returncode == 0, err[-3000:]
         table = read("s3://episodes/rl", endpoint_url=endpoint)
-        run_id = run_dir.name
-        expected = {f"{run_id}-{p}-{s}" for p in range(steps * 8) for s in range(4)}
+        expected = {(p, s) for p in range(steps * 8) for s in range(4)}
         ids = table.column("episode_id").to_pylist()
-        assert len(ids) == len(set(ids)) and set(ids) == expected
+        assert len(ids) == len(set(ids)) and prompt_samples(table) == expected
         assert table.filter(table["trained_at"].is_null()).num_rows == 0  # all trained on
         assert not list((run_dir / "episode-spool").glob("*.data"))
     finally:
@@ -120,13 +139,15 @@ def test_a_run_whose_s3_never_comes_back_finishes_and_names_the_spool(job_env, t
     assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 64
 
 
-def test_episodes_posted_during_a_run_are_stored_once(job_env, tmp_path):
+def test_posted_episodes_are_stored_once_and_ctrl_c_keeps_every_episode(job_env, tmp_path):
+    """Episodes posted during a run are scored, stored once (a retried POST too) and
+    trained on; then Ctrl-C stops the run, which keeps every scored episode."""
     port, run_dir = free_port(), tmp_path / "ingest"
     job = start_job(
         [
             *SHORT_RUN,
             "--learner.steps",
-            "8",
+            "200",
             "--run-dir",
             str(run_dir),
             "--ingest.enabled",
@@ -170,18 +191,32 @@ def test_episodes_posted_during_a_run_are_stored_once(job_env, tmp_path):
             )
             with urllib.request.urlopen(req, timeout=60) as response:
                 answers.append(json.loads(response.read()))
-        _, err = job.communicate(timeout=600)
-        assert job.returncode == 0, err[-3000:]
+        # Three steps, one of which trained the posted episodes beside a whole batch.
+        wait_until(lambda: len(trained_steps(run_dir)) >= 3 and any(trained_steps(run_dir)))
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=300)
     finally:
         job.kill()
     assert answers[0]["accepted"] == 3 and answers[0]["scored"] == 3
     assert answers[0]["queued_for_training"] == 3
     assert answers[1] == {"accepted": 0, "duplicates": 3, "scored": 0, "queued_for_training": 0}
+    assert job.returncode == 130, err[-3000:]
+    assert "interrupted; every episode so far is kept" in err
     table = read(run_dir / "episodes")
     outside = [r for r in table.to_pylist() if r["run_id"] == "outside"]
     assert sorted(r["episode_id"] for r in outside) == ["outside-0", "outside-1", "outside-2"]
     assert all(r["reward"] == 1.0 for r in outside)  # scored by the run's exact_match
-    assert len(metrics(run_dir)) == 8
+    assert all(r["trained_at"] is not None for r in outside)  # queued, then trained on
+    # The run's own episodes: whole prompt batches 0..n-1, each prompt with all its
+    # samples, each id once: nothing lost, nothing doubled.
+    own = table.filter(pc.equal(table["run_id"], run_dir.name))
+    ids = own.column("episode_id").to_pylist()
+    trained = sum(r["episodes"] for r in metrics(run_dir)) - len(outside)
+    assert len(ids) == len(set(ids)) and len(ids) >= trained
+    prompts = set(own.column("prompt_index").to_pylist())
+    assert prompts == set(range(len(prompts))) and len(prompts) % 8 == 0
+    assert prompt_samples(own) == {(p, s) for p in prompts for s in range(4)}
+    assert len(ids) == 4 * len(prompts)
 
 
 def test_collect_job_writes_every_episode_without_training(job_env, tmp_path):
@@ -193,8 +228,9 @@ def test_collect_job_writes_every_episode_without_training(job_env, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     table = read(run_dir / "episodes")
-    expected = {f"{run_dir.name}-{p}-{s}" for p in range(20) for s in range(4)}
-    assert set(table.column("episode_id").to_pylist()) == expected and table.num_rows == 80
+    expected = {(p, s) for p in range(20) for s in range(4)}
+    assert prompt_samples(table) == expected and table.num_rows == 80
+    assert len(set(table.column("episode_id").to_pylist())) == 80
     assert table["trained_at"].null_count == 80  # collected, never trained on
     assert table["reward"].null_count == 0
     assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 80
@@ -203,25 +239,3 @@ def test_collect_job_writes_every_episode_without_training(job_env, tmp_path):
     )
     assert no_count.returncode == 2
     assert "--prompts: the built-in task has no end" in no_count.stderr
-
-
-def test_ctrl_c_keeps_every_scored_episode(job_env, tmp_path):
-    run_dir = tmp_path / "interrupted"
-    job = start_job([*SHORT_RUN, "--learner.steps", "200", "--run-dir", str(run_dir)], job_env)
-    try:
-        wait_until(
-            lambda: len(metrics(run_dir)) >= 3 if (run_dir / "metrics.jsonl").exists() else False
-        )
-        job.send_signal(signal.SIGINT)
-        _, err = job.communicate(timeout=300)
-    finally:
-        job.kill()
-    assert job.returncode == 130, err[-3000:]
-    assert "interrupted; every episode so far is kept" in err
-    trained = sum(r["episodes"] for r in metrics(run_dir))
-    ids = read(run_dir / "episodes").column("episode_id").to_pylist()
-    assert len(ids) == len(set(ids)) and len(ids) >= trained
-    # Whole prompt batches 0..n-1, each prompt with all its samples: nothing lost.
-    prompts = {int(i.rsplit("-", 2)[1]) for i in ids}
-    assert prompts == set(range(len(prompts))) and len(prompts) % 8 == 0
-    assert len(ids) == 4 * len(prompts)
