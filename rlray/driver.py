@@ -131,6 +131,9 @@ class InFlight:
     """ObjectRef[list[Episode]] of the groups dynamic sampling split off, if it is on."""
     generated: GenerateStats | None = None
     """Set when generation is done: the rollout worker is free while scoring runs."""
+    scored: ScoreStats | None = None
+    """Set when scoring is done; the batch goes to the buffer once every batch started
+    before it has."""
 
 
 @dataclass
@@ -279,7 +282,7 @@ class TrainingDriver:
         if not self.in_flight:
             raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
         generating = [item.generate_stats for item in self.in_flight if item.generated is None]
-        pending = generating + [item.score_stats for item in self.in_flight]
+        pending = generating + [i.score_stats for i in self.in_flight if i.scored is None]
         started = time.perf_counter()
         ready, _ = ray.wait(pending, num_returns=1, timeout=self.timeout)
         waited = time.perf_counter() - started
@@ -297,8 +300,9 @@ class TrainingDriver:
         for item in list(self.in_flight):
             if item.generated is None and item.generate_stats in ready_refs:
                 self._generated(item)
-            elif item.score_stats in ready_refs:
+            elif item.scored is None and item.score_stats in ready_refs:
                 self._scored(item)
+        self._buffer_in_order()
 
     def _generated(self, item: InFlight) -> bool:
         """Takes a finished generation's stats; returns False if its worker died and the
@@ -334,7 +338,24 @@ class TrainingDriver:
             else:
                 self._score(item)
             return
-        self.in_flight.remove(item)
+        item.scored = score
+        self.tally.reward_seconds += score.seconds
+        self.tally.reward_dropped += score.dropped
+        self.tally.uniform_groups += score.uniform_groups
+        self.tally.uniform_episodes += score.uniform_episodes
+        for name, count in score.failures.items():
+            self.tally.reward_failures[name] = self.tally.reward_failures.get(name, 0) + count
+
+    def _buffer_in_order(self) -> None:
+        """Hands scored batches to the buffer in the order they were started. A batch
+        may start only if it will be at most max_staleness versions old when trained,
+        counting every batch started before it as trained first; handed over out of
+        order, a batch that took longer could fall behind that bound and be dropped."""
+        while self.in_flight and self.in_flight[0].scored is not None:
+            self._to_buffer(self.in_flight.pop(0))
+
+    def _to_buffer(self, item: InFlight) -> None:
+        score = item.scored
         batch = BufferedBatch(
             ref=[item.episodes],
             policy_version=item.generated.policy_version,
@@ -351,12 +372,6 @@ class TrainingDriver:
         if item.uniform is not None and score.uniform_episodes:
             self._store([[item.uniform]], trained_at=None)  # never trained on, kept
         self.buffered_episodes += batch.num_episodes
-        self.tally.reward_seconds += score.seconds
-        self.tally.reward_dropped += score.dropped
-        self.tally.uniform_groups += score.uniform_groups
-        self.tally.uniform_episodes += score.uniform_episodes
-        for name, count in score.failures.items():
-            self.tally.reward_failures[name] = self.tally.reward_failures.get(name, 0) + count
 
     # ------------------------------------------------------------------ actor restarts
 

@@ -106,5 +106,3 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     assert trained == list(range(len(trained))) and len(trained) >= len(logged)
     for batch, marks in by_batch.items():
         assert marks.count(True) <= (1 if batch < checkpoint else 2), (batch, marks)
-    # The step the learner died in, and what was generated beyond it, kept untrained.
-    assert any(marks == [False] for marks in by_batch.values())
