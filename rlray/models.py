@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing
 import os
@@ -400,10 +401,52 @@ class PromptTokens:
 
 def read_prompts(path: str, prompt_lists: list[list[str]]) -> list[list[PromptTokens]]:
     """Returns how the model's tokenizer reads each prompt of each list, all in one child
-    process (see prompt_token_counts). Raises ConfigError as load_tokenizer does."""
+    process (see prompt_token_counts). Raises ConfigError as load_tokenizer does.
+
+    The child takes ~7 s (most of it importing transformers), so the readings of a local
+    model are cached under a key of everything they depend on: the prompts, the model
+    directory's files other than weights, and the transformers version."""
+    cached = _readings_cache_file(path, prompt_lists)
+    if cached is not None and cached.exists():
+        return [
+            [PromptTokens(*reading) for reading in read] for read in json.loads(cached.read_text())
+        ]
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
-        return child.submit(_read_prompts, path, prompt_lists).result()
+        readings = child.submit(_read_prompts, path, prompt_lists).result()
+    if cached is not None:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next run time
+            _write_atomically(
+                cached, json.dumps([[[t.count, t.read_as] for t in r] for r in readings])
+            )
+    return readings
+
+
+# Files of a model directory that hold weights, not what the tokenizer reads.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def _readings_cache_file(path: str, prompt_lists: list[list[str]]) -> Path | None:
+    """Returns the cache file of these prompts' readings by this model's tokenizer, or
+    None for a hub name (nothing local to key on)."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        return None
+    key = hashlib.sha256(importlib.metadata.version("transformers").encode())
+    for file in sorted(model_dir.iterdir()):
+        if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES):
+            key.update(file.name.encode() + b"\0" + file.read_bytes())
+    key.update(json.dumps(prompt_lists).encode())
+    return cache_dir() / "prompt-readings" / f"{key.hexdigest()[:24]}.json"
+
+
+def _write_atomically(target: Path, text: str) -> None:
+    """Writes `text` to `target` through a temporary file, so that a reader never sees
+    half of it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as out:
+        out.write(text)
+    os.replace(out.name, target)
 
 
 def _read_prompts(path: str, prompt_lists: list[list[str]]) -> list[list[PromptTokens]]:

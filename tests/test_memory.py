@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -115,3 +117,30 @@ def test_prompt_lengths_are_counted_as_the_tokenizer_counts_them():
     expected = [len(ids) for ids in load_tokenizer(path)(prompts).input_ids]
     assert expected[:2] == [6, 4]  # one token per character
     assert prompt_token_counts(path, prompts) == expected  # counted in a child process
+
+
+def test_prompt_readings_are_cached_under_the_tokenizer_files_and_prompts(tmp_path, monkeypatch):
+    from rlray.config import Config
+    from rlray.models import read_prompts, resolve_model_path
+
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model_path(Config().model.path), model)
+    monkeypatch.setenv("RLRAY_CACHE_DIR", str(tmp_path / "cache"))
+    entries = tmp_path / "cache" / "prompt-readings"
+    first = read_prompts(str(model), [["12+34="], ["1+2="]])
+    assert [[t.count for t in read] for read in first] == [[6], [4]]
+    (entry,) = entries.glob("*.json")
+    # A second run is served from the entry (edited here to show it is what was read).
+    entry.write_text(json.dumps([[[60, None]], [[40, None]]]))
+    assert [
+        [t.count for t in read] for read in read_prompts(str(model), [["12+34="], ["1+2="]])
+    ] == [
+        [60],
+        [40],
+    ]
+    # Other prompts, or a tokenizer file that changed, are read again by the tokenizer.
+    assert read_prompts(str(model), [["12+3="], ["1+2="]])[0][0].count == 5
+    config = model / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert read_prompts(str(model), [["12+34="], ["1+2="]]) == first
+    assert len(list(entries.glob("*.json"))) == 3
