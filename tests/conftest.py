@@ -72,6 +72,9 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
         **os.environ,
         **AWS_TEST_CREDENTIALS,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        # Metrics reach the Prometheus export every 2 s instead of 10, so that a short
+        # run's are all scraped before it ends (tests/test_job.py's GRPO run).
+        "RAY_metrics_report_interval_ms": "2000",
     }
     subprocess.run(
         [f"{bin_dir}/ray", "get-auth-token", "--generate"],

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,3 +53,25 @@ def metrics(run_dir: Path) -> list[dict]:
     """Returns the learner-step lines of a run's metrics.jsonl (step 0 left out)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["step"] > 0]
+
+
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Returns (series, labels, value) of every labelled sample at a Prometheus endpoint."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = []
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match:
+            labels = dict(LABEL.findall(match["labels"]))
+            samples.append((match["name"], labels, float(match["value"])))
+    return samples
+
+
+def series_name(name: str, kind: str) -> str:
+    """Returns the Prometheus series under which Ray exports rlray's metric `name`."""
+    return f"ray_{name}" + {"counter": "_total", "histogram": "_count"}.get(kind, "")

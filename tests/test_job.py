@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from tests.jobs_helper import SHORT_RUN, metrics, run_job
+from rlray.telemetry import METRICS
+from tests.jobs_helper import REPO, SHORT_RUN, metrics, run_job, scrape, series_name
 from tests.test_learner import plain_logprob_gap
 
 TRAINING_VALUES = (
@@ -313,19 +318,54 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
 
 
 @pytest.fixture(scope="module")
-def group_run(job_env, tmp_path_factory):
-    """One 4-step GRPO run in bfloat16 with dynamic sampling and no KL, for several tests."""
-    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+def group_run(ray_cluster, job_env, tmp_path_factory):
+    """One 5-step GRPO run in bfloat16 with dynamic sampling (so that the reward workers
+    count the groups they drop) and no KL, for several tests; the session cluster's
+    Prometheus export is scraped every 2 s while it runs. Returns the run directory and
+    the samples exported for the run, by series."""
+    root = tmp_path_factory.mktemp("grpo")
+    run_dir = root / "run"
     algorithm = ["--algorithm.advantage", "grpo", "--algorithm.drop_uniform_groups", "true"]
     args = [*SHORT_RUN, *algorithm, "--algorithm.kl_coef", "0", "--model.dtype", "bfloat16"]
-    result = run_job([*args, "--learner.steps", "4", "--run-dir", str(run_dir)], job_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    # Steps 2-5 leave Ray's metrics export (every 2 s here, see conftest) time to carry
+    # the learner's metrics of step 1 and the evaluation of step 2.
+    args += ["--learner.steps", "5", "--learner.eval_every", "2", "--run-dir", str(run_dir)]
+    with (root / "job.log").open("w") as log:
+        job = subprocess.Popen(
+            [sys.executable, str(REPO / "jobs" / "ppo.py"), *args],
+            cwd=REPO,
+            env=job_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            exported = scrape_while_running(job, ray_cluster.metrics_url, run_dir.name)
+        finally:
+            job.kill()
+    assert job.returncode == 0, (root / "job.log").read_text()[-3000:]
+    return run_dir, exported
+
+
+def scrape_while_running(job: subprocess.Popen, url: str, run_id: str) -> dict[str, list]:
+    """Returns {series: [(labels, value), ...]} of the run's samples at a Prometheus
+    endpoint, scraped every 2 s until the job ends (at most 600 s)."""
+    exported: dict[str, list] = defaultdict(list)
+    deadline = time.monotonic() + 600
+    while job.poll() is None and time.monotonic() < deadline:
+        time.sleep(2)
+        try:
+            samples = scrape(url)
+        except OSError:  # the head's metrics agent may not be listening yet
+            continue
+        for series, labels, value in samples:
+            if labels.get("run_id") == run_id:
+                exported[series].append((labels, value))
+    return exported
 
 
 @pytest.mark.slow
 def test_bfloat16_run_keeps_vllm_and_learner_logprobs_close(group_run):
-    records = metrics(group_run)
+    records = metrics(group_run[0])
     # Measured here (bf16 vLLM against the learner's bf16 autocast over fp32 masters), per
     # step of a 150-step bf16 default run: mean |vLLM - learner| 0.007-0.016 per token,
     # max 0.09-0.46 but 1.6 once (a rare low-probability token), ratio outside [0.5, 2]
@@ -340,16 +380,17 @@ def test_bfloat16_run_keeps_vllm_and_learner_logprobs_close(group_run):
 
 @pytest.mark.slow
 def test_dynamic_sampling_trains_whole_mixed_groups_and_stores_every_episode(group_run):
+    run_dir, _ = group_run
     import rlray.episodes
     from rlray.episode import from_table
 
-    records = metrics(group_run)
+    records = metrics(run_dir)
     assert sum(r["dropped_uniform_groups"] for r in records) > 0
     # Every trained group had rewards that differ: no episode has all-zero advantages,
     # and more prompts were generated than one step's worth to fill the steps.
     assert all(r["zero_advantage_share"] == 0.0 and r["episodes"] >= 32 for r in records)
-    assert sum(r["prompts_generated"] for r in records) > 4 * 8
-    episodes = from_table(rlray.episodes.read(str(group_run / "episodes")))
+    assert sum(r["prompts_generated"] for r in records) > len(records) * 8
+    episodes = from_table(rlray.episodes.read(str(run_dir / "episodes")))
     assert len({e.episode_id for e in episodes}) == len(episodes)
     groups: dict[int, list] = {}
     for e in episodes:
@@ -368,11 +409,47 @@ def test_dynamic_sampling_trains_whole_mixed_groups_and_stores_every_episode(gro
 
 @pytest.mark.slow
 def test_group_estimators_hold_no_critic_and_no_reference(group_run):
-    records = metrics(group_run)
+    run_dir, _ = group_run
+    records = metrics(run_dir)
     assert all(r["value_loss"] is None and r["explained_variance"] is None for r in records)
     assert all(r["kl"] is None for r in records)
-    latest = group_run / "checkpoints" / (group_run / "checkpoints" / "latest").read_text().strip()
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (latest / "policy").is_dir() and not (latest / "critic").exists()
+
+
+@pytest.mark.slow
+def test_every_metric_reaches_prometheus_with_the_values_the_run_logged(group_run):
+    run_dir, exported = group_run
+    wanted = {series_name(name, kind) for name, (kind, _, _) in METRICS.items()}
+    assert not wanted - set(exported), f"never exported: {sorted(wanted - set(exported))}"
+    records = metrics(run_dir)
+
+    def values(name: str, kind: str = "gauge") -> list[float]:
+        return [value for _, value in exported[series_name(name, kind)]]
+
+    def logged(*values_of_steps: float):
+        return lambda v: any(v == pytest.approx(w, rel=1e-6) for w in values_of_steps)
+
+    # What the learner exported is what it logged for some step.
+    for name in ("reward_mean", "logprob_parity_error", "rollout_logprob_diff_mean"):
+        assert all(map(logged(*(r[name] for r in records)), values(f"rlray_{name}"))), name
+    assert all(
+        map(logged(*(r["learner_seconds"] for r in records)), values("rlray_learner_step_seconds"))
+    )
+    # Accuracy is right answers over the 40 held-out prompts (data.eval_size): k / 40.
+    accuracies = [v * 40 for v in values("rlray_eval_accuracy")]
+    assert all(0 <= a <= 40 and abs(a - round(a)) < 1e-4 for a in accuracies), accuracies
+    assert max(values("rlray_rollout_tokens_per_second")) > 0
+    assert max(values("rlray_episodes_generated", "counter")) >= 32
+    assert max(values("rlray_episodes_scored", "counter")) >= 32
+    assert max(values("rlray_uniform_groups_dropped", "counter")) > 0
+    assert all(0 <= v <= 1024 for v in values("rlray_buffer_depth"))
+    assert values("rlray_dropped_stale") and all(v == 0 for v in values("rlray_dropped_stale"))
+    assert max(values("rlray_staleness", "histogram")) >= 32  # episodes observed
+    assert all(v > 0 for v in values("rlray_weight_sync_seconds"))
+    workers = {labels["worker"] for labels, _ in exported["ray_rlray_policy_version"]}
+    assert workers == {"rollout-0", "learner"}
+    assert max(values("rlray_policy_version")) >= 1
 
 
 USER_REWARDS = """
