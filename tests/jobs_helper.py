@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -47,6 +49,41 @@ def run_job(
         text=True,
         timeout=timeout,
     )
+
+
+def run_jobs_at_once(
+    arg_lists: list[list[str]], env: dict[str, str], timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
+    """Returns the finished `python jobs/ppo.py ARGS` processes of jobs started together
+    (their start-ups overlap: one job's driver waits on its actors while another's
+    import). Output goes to files, so that no job blocks on a full pipe."""
+    with contextlib.ExitStack() as stack:
+        outputs = [
+            [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2)] for _ in arg_lists
+        ]
+        jobs = [
+            subprocess.Popen(
+                [sys.executable, str(REPO / "jobs" / "ppo.py"), *args],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+                text=True,
+            )
+            for args, (out, err) in zip(arg_lists, outputs, strict=True)
+        ]
+        try:
+            for job in jobs:
+                job.wait(timeout=timeout)
+        finally:
+            for job in jobs:
+                job.kill()
+        done = []
+        for job, args, (out, err) in zip(jobs, arg_lists, outputs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(args, job.returncode, out.read(), err.read()))
+        return done
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from rlray.telemetry import METRICS
-from tests.jobs_helper import REPO, SHORT_RUN, metrics, run_job, scrape, series_name
+from tests.jobs_helper import (
+    REPO,
+    SHORT_RUN,
+    metrics,
+    run_job,
+    run_jobs_at_once,
+    scrape,
+    series_name,
+)
 from tests.test_learner import plain_logprob_gap
 
 TRAINING_VALUES = (
@@ -31,16 +39,20 @@ TRAINING_VALUES = (
 
 @pytest.fixture(scope="module")
 def five_step_runs(job_env, tmp_path_factory):
-    """A 5-step run, and a 3-step run of the same config and seed that is then resumed
-    to step 5."""
+    """A 5-step run, and a 3-step run of the same config and seed, run at the same time
+    (their timings differ, their steps must not), that is then resumed to step 5."""
     root = tmp_path_factory.mktemp("runs")
-    done = {}
-    for name, steps in (("a", 5), ("resumed", 3)):
-        result = run_job(
-            [*SHORT_RUN, "--learner.steps", str(steps), "--run-dir", str(root / name)], job_env
-        )
+    runs = {"a": 5, "resumed": 3}
+    results = run_jobs_at_once(
+        [
+            [*SHORT_RUN, "--learner.steps", str(n), "--run-dir", str(root / name)]
+            for name, n in runs.items()
+        ],
+        job_env,
+    )
+    done = dict(zip(runs, results, strict=True))
+    for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
-        done[name] = result
     done["resume"] = run_job(["--resume", str(root / "resumed"), "--learner.steps", "5"], job_env)
     assert done["resume"].returncode == 0, done["resume"].stderr[-3000:]
     return root, done
