@@ -66,7 +66,11 @@ def main(argv: list[str]) -> int:
         )
         actors.kill()
     if spooled:
-        print(f"warning: {len(spooled)} file(s) not uploaded wait in {Path(spooled[0]).parent}")
+        spool = Path(spooled[0]).parent
+        print(
+            f"warning: {len(spooled)} episode file(s) not uploaded; they wait in {spool}",
+            file=sys.stderr,
+        )
     summary["episodes_stored"] = stats.episodes_written
     (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(

@@ -210,7 +210,7 @@ def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(j
     )
     assert result.returncode == 0, result.stderr[-3000:]
     spool = run_dir / "episode-spool"
-    assert f"wait in {spool}" in result.stdout  # collect.py reports on stdout
+    assert f"they wait in {spool}" in result.stderr
     spooled = sorted(spool.glob("*.data"))
     assert spooled  # kept locally, every episode of the run in them
     table = pa.concat_tables([pq.read_table(f) for f in spooled])
