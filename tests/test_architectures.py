@@ -1,6 +1,7 @@
 """Weight sync per architecture: what the learner publishes for each model family, the
-packed transport's exact round trip, and - with a vLLM rollout actor per architecture -
-that published weights reproduce an HF forward pass after every sync.
+packed transport's exact round trip, and - with a vLLM rollout actor per architecture,
+each in the module's one rollout process - that published weights reproduce an HF
+forward pass after every sync.
 
 The models are tiny and random (hidden 128, 2 layers, head_dim 64 as vLLM's CPU
 attention needs, the character tokenizer), built offline. Before each sync every
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -189,20 +192,70 @@ def test_tied_names_share_one_stored_buffer():
 # ------------------------------------------------------------------ into vLLM, per architecture
 
 
-@contextlib.contextmanager
-def rollout_actor(model_dir: Path, dtype: str) -> Iterator:
-    """Yields a RolloutActor on the model, started as rlray starts one; kills it after."""
-    rollout = RolloutConfig(samples_per_prompt=2, max_new_tokens=8)
-    model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=64)
-    actor = (
-        ray.remote(RolloutActor)
-        .options(num_cpus=1, runtime_env={"env_vars": vllm_env(rollout)})
-        .remote(f"rollout-{model_dir.name}", str(model_dir), model, rollout, "architectures", 0)
+# Every test's rollout uses this config, so one vllm_env serves them all.
+ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8)
+
+
+class RolloutHost:
+    """One process for every test's RolloutActor: starting a Ray actor process and
+    importing vLLM in it took most of each test's time (about 12 of 17 s on a 2-core
+    machine). It holds one RolloutActor at a time, constructed exactly as rlray
+    constructs one, and forwards the calls the tests make to it."""
+
+    def __init__(self) -> None:
+        self.rollout: RolloutActor | None = None
+
+    def start(self, *args: Any) -> None:
+        """Replaces the held RolloutActor by RolloutActor(*args)."""
+        self.stop()
+        self.rollout = RolloutActor(*args)
+
+    def stop(self) -> None:
+        """Shuts the held engine down. It runs in this process (vllm_env turns vLLM's
+        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
+        gc.freeze()s them at start) and its torch.distributed group, which the next
+        engine creates again."""
+        if self.rollout is not None:
+            self.rollout.llm.llm_engine.engine_core.shutdown()
+            self.rollout = None
+            gc.collect()
+
+    def generate(self, *args: Any) -> Any:
+        return self.rollout.generate(*args)
+
+    def load_published(self, published: Any) -> tuple[int, float]:
+        # Ray resolved the object reference for this call, as it does for an actor's.
+        return self.rollout.load_published(published)
+
+
+@pytest.fixture(scope="module")
+def rollout_host(ray_session) -> Iterator:
+    """The RolloutHost actor of this module, started with a rollout actor's resources
+    and environment (read when its process starts, as by a RolloutActor's)."""
+    host = (
+        ray.remote(RolloutHost)
+        .options(num_cpus=1, runtime_env={"env_vars": vllm_env(ROLLOUT)})
+        .remote()
     )
     try:
-        yield actor
+        yield host
     finally:
-        ray.kill(actor, no_restart=True)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(host.stop.remote(), timeout=60)
+        ray.kill(host, no_restart=True)
+
+
+@contextlib.contextmanager
+def rollout_actor(host, model_dir: Path, dtype: str) -> Iterator:
+    """Yields the host holding a RolloutActor on the model, built with the arguments rlray
+    builds one with; shuts its engine down after."""
+    model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=64)
+    args = (f"rollout-{model_dir.name}", str(model_dir), model, ROLLOUT, "architectures", 0)
+    ray.get(host.start.remote(*args), timeout=300)
+    try:
+        yield host
+    finally:
+        ray.get(host.stop.remote(), timeout=60)
 
 
 def generate(actor) -> list[Episode]:
@@ -222,8 +275,9 @@ def sync(actor, model: PreTrainedModel, dtype: torch.dtype, version: int) -> Non
 def engine_dtype(actor) -> torch.dtype:
     """Returns the dtype of the vLLM engine's parameters in the actor."""
 
-    def first_parameter_dtype(rollout) -> torch.dtype:
-        dtypes = rollout.llm.collective_rpc(lambda w: next(w.get_model().parameters()).dtype)
+    def first_parameter_dtype(host: RolloutHost) -> torch.dtype:
+        llm = host.rollout.llm
+        dtypes = llm.collective_rpc(lambda w: next(w.get_model().parameters()).dtype)
         return dtypes[0]
 
     return ray.get(actor.__ray_call__.remote(first_parameter_dtype), timeout=60)
@@ -256,19 +310,19 @@ def check_two_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_synced_weights_reproduce_hf_logprobs_in_float32(ray_session, tmp_path, kind):
+def test_synced_weights_reproduce_hf_logprobs_in_float32(rollout_host, tmp_path, kind):
     model = build_model(kind, tmp_path / kind)
-    with rollout_actor(tmp_path / kind, "float32") as actor:
+    with rollout_actor(rollout_host, tmp_path / kind, "float32") as actor:
         assert engine_dtype(actor) == torch.float32
         check_two_syncs(actor, model, torch.float32, tolerance=1e-4)
 
 
 @pytest.mark.slow
-def test_synced_weights_follow_hf_in_bfloat16(ray_session, tmp_path):
+def test_synced_weights_follow_hf_in_bfloat16(rollout_host, tmp_path):
     # NumPy has no bfloat16: this is the dtype the packed transport exists for. vLLM
     # computes in bfloat16 too, so the gap is round-off: 0.007-0.018 measured on these
     # tiny models (the Qwen2 here 0.009), against < 1e-6 in float32.
     model = build_model("qwen2-tied", tmp_path / "qwen2")
-    with rollout_actor(tmp_path / "qwen2", "bfloat16") as actor:
+    with rollout_actor(rollout_host, tmp_path / "qwen2", "bfloat16") as actor:
         assert engine_dtype(actor) == torch.bfloat16
         check_two_syncs(actor, model, torch.bfloat16, tolerance=0.05)
