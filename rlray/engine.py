@@ -59,7 +59,7 @@ class TokenBatch:
     attention_mask: torch.Tensor  # (B, L)
     position_ids: torch.Tensor  # (B, L) 0 at each row's first real token
     completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) 1.0 on real completion tokens
+    mask: torch.Tensor  # (B, T) 1.0 on the completion tokens the policy generated
 
     def rows(self, index: torch.Tensor) -> TokenBatch:
         """Returns the sub-batch of the given rows."""
@@ -78,9 +78,14 @@ class TokenBatch:
 
 
 def collate(
-    prompts: list[list[int]], completions: list[list[int]], pad_token_id: int
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_token_id: int,
+    completion_masks: list[list[int]] | None = None,
 ) -> TokenBatch:
-    """Returns prompt and completion token ids as a TokenBatch."""
+    """Returns prompt and completion token ids as a TokenBatch. A completion's mask is 1
+    on every token, or its entry of `completion_masks` where that is not empty (0 on
+    the observation tokens between the turns of a multi-turn episode)."""
     width_prompt = max(len(p) for p in prompts)
     width_completion = max(max((len(c) for c in completions), default=0), 1)
     batch = len(prompts)
@@ -93,7 +98,8 @@ def collate(
         input_ids[i, start : width_prompt + len(c)] = torch.tensor(p + c, dtype=torch.long)
         attention[i, start : width_prompt + len(c)] = 1
         completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, : len(c)] = 1.0
+        policy_tokens = completion_masks[i] if completion_masks else None
+        mask[i, : len(c)] = torch.tensor(policy_tokens, dtype=mask.dtype) if policy_tokens else 1.0
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return TokenBatch(input_ids, attention, position_ids, completion_ids, mask)
 

@@ -49,6 +49,8 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("rollout_logprobs", pa.list_(pa.float32()), nullable=False),
+        # Null in stores written before multi-turn episodes: read as [] (all the policy's).
+        pa.field("completion_mask", pa.list_(pa.int8())),
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("policy_version", pa.int64(), nullable=False),
         pa.field("rollout_worker", pa.string(), nullable=False),
@@ -60,7 +62,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("trained_at", _TIMESTAMP),
         pa.field("spans", pa.list_(SPAN_TYPE), nullable=False),
     ],
-    metadata={"rlray.episode_schema_version": "1"},
+    metadata={"rlray.episode_schema_version": "2"},
 )
 
 
@@ -123,6 +125,11 @@ class Episode:
     (dropped as stale, dropped by a failing reward, or left over at the end)."""
     spans: list[Span] = field(default_factory=list)
     """Steps of a multi-step trace (empty for a single model call)."""
+    completion_mask: list[int] = field(default_factory=list)
+    """Per completion token, 1 where the policy generated it and 0 where the rollout
+    appended it (an environment's observation or a tool's result between turns): the
+    learner trains, and checks logprob parity, only where it is 1. Empty: every token is
+    the policy's (a single model call)."""
 
 
 def _micros(seconds: float | None) -> int | None:
@@ -165,6 +172,7 @@ def from_table(table: pa.Table) -> list[Episode]:
         row["columns"] = json.loads(row["columns"])
         row["reward_components"] = dict(row["reward_components"] or [])
         row["spans"] = [_span_from_row(span) for span in row["spans"]]
+        row["completion_mask"] = row["completion_mask"] or []
         out.append(Episode(**row))
     return out
 
@@ -249,6 +257,7 @@ def _check_fits_model(episode: Episode, limits: ModelLimits, where: str) -> None
                 f"(0 to {limits.vocab_size - 1})"
             )
     prompt, completion = episode.prompt_token_ids, episode.completion_token_ids
+    _check_completion_mask(episode, where)
     if completion and not prompt:
         raise EpisodeError(f"{where}.prompt_token_ids: empty (a completion needs a prompt)")
     if len(prompt) + len(completion) > limits.max_model_len:
@@ -262,6 +271,19 @@ def _check_fits_model(episode: Episode, limits: ModelLimits, where: str) -> None
             f"{where}.reward: {episode.reward:g} is beyond ±{limits.max_abs_reward:g}, "
             "where the learner's float32 statistics overflow"
         )
+
+
+def _check_completion_mask(episode: Episode, where: str) -> None:
+    mask = episode.completion_mask
+    if not mask:
+        return
+    if len(mask) != len(episode.completion_token_ids):
+        raise EpisodeError(
+            f"{where}.completion_mask: {len(mask)} entries for "
+            f"{len(episode.completion_token_ids)} completion tokens"
+        )
+    if not set(mask) <= {0, 1}:
+        raise EpisodeError(f"{where}.completion_mask: entries must be 0 or 1")
 
 
 def _check(value: Any, dtype: pa.DataType, nullable: bool, where: str) -> None:

@@ -28,14 +28,15 @@ def read(
     with EPISODE_SCHEMA (rows of `runs` only, if given). Raises FileNotFoundError if the
     source holds no episode file."""
     filesystem, path = _filesystem(str(source), endpoint_url)
-    partitioning = ds.partitioning(
-        pa.schema([("run", pa.string()), ("date", pa.string())]), flavor="hive"
-    )
+    partition_fields = pa.schema([("run", pa.string()), ("date", pa.string())])
     dataset = ds.dataset(
         path,
+        # Every file read as today's schema: a column that older files lack (the
+        # completion_mask of schema version 2) reads as null there.
+        schema=pa.unify_schemas([EPISODE_SCHEMA, partition_fields]),
         format="parquet",
         filesystem=filesystem,
-        partitioning=partitioning,
+        partitioning=ds.partitioning(partition_fields, flavor="hive"),
         exclude_invalid_files=True,
         ignore_prefixes=[".", "_"],
     )

@@ -48,6 +48,7 @@ OPTIONAL = {  # what a client may post besides REQUIRED, and what it defaults to
     "prompt_token_ids": list,
     "completion_token_ids": list,
     "rollout_logprobs": list,
+    "completion_mask": list,
     "generated_at": time.time,
 }
 

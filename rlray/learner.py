@@ -119,7 +119,8 @@ class Learner:
     def _batch(self, episodes: list[Episode]) -> TokenBatch:
         prompts = [e.prompt_token_ids for e in episodes]
         completions = [e.completion_token_ids for e in episodes]
-        return collate(prompts, completions, self.pad_token_id).to(self.device)
+        masks = [e.completion_mask for e in episodes]
+        return collate(prompts, completions, self.pad_token_id, masks).to(self.device)
 
     def _rollout_logprobs(self, episodes: list[Episode], steps: int) -> tuple[torch.Tensor, ...]:
         """Returns vLLM's (B, T) logprobs and which rows have them (posted episodes may not)."""

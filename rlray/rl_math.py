@@ -6,9 +6,12 @@ plain numbers and returns tensors created on the device of its inputs, so each o
 tested against hand-computed values (tests/test_rl_math.py) and runs unchanged on a GPU.
 
 Shapes: B is the number of episodes, T the number of completion tokens (right padded).
-`mask` is 1.0 on real completion tokens and 0.0 on padding; values at padded positions
-never change a result. `group` (B,) holds each episode's group index: the samples of
-one prompt share it (group estimators compare them).
+`mask` is 1.0 on the completion tokens the policy generated and 0.0 elsewhere: padding,
+and in a multi-turn episode the observation and tool tokens between its turns (see
+Episode.completion_mask). Values at masked positions never change a result; estimators
+over time (returns, GAE) step over them as if the policy's tokens were contiguous.
+`group` (B,) holds each episode's group index: the samples of one prompt share it
+(group estimators compare them).
 """
 
 from __future__ import annotations
@@ -56,13 +59,19 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def token_rewards(
     final_reward: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
 ) -> torch.Tensor:
-    """Returns (B, T) per-token rewards: -kl_coef * kl on every real token, plus the
-    episode's (B,) reward on its last real token."""
+    """Returns (B, T) per-token rewards: -kl_coef * kl on every unmasked token, plus the
+    episode's (B,) reward on its last unmasked token."""
     rewards = torch.where(mask.bool(), -kl_coef * kl, torch.zeros_like(kl))
-    lengths = mask.sum(dim=1)
-    last = (lengths.long() - 1).clamp(min=0)  # (B,)
-    final = torch.where(lengths > 0, final_reward.to(rewards.dtype), torch.zeros_like(lengths))
+    last = last_unmasked(mask)
+    has_tokens = mask.sum(dim=1) > 0
+    final = torch.where(has_tokens, final_reward.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
     return rewards.scatter_add(1, last[:, None], final[:, None])
+
+
+def last_unmasked(mask: torch.Tensor) -> torch.Tensor:
+    """Returns the (B,) column of each row's last unmasked position (0 for empty rows)."""
+    columns = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), columns, torch.zeros_like(columns)).amax(dim=1)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -88,7 +97,8 @@ def gae(
     delta_t = r_t + gamma * V_{t+1} - V_t, with V_{t+1} = 0 after the last real token;
     A_t = delta_t + gamma * lam * A_{t+1};  returns R_t = A_t + V_t.
     (Schulman et al. 2016, https://arxiv.org/abs/1506.02438, eq. 16.)
-    Padded positions get 0 and contribute nothing to earlier positions.
+    t + 1 is the next unmasked position: masked positions (padding, or observation
+    tokens between turns) get 0 and are stepped over, not treated as the episode's end.
     """
     keep = mask.bool()
     rewards = torch.where(keep, rewards, torch.zeros_like(rewards))
@@ -98,9 +108,9 @@ def gae(
     next_value = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = torch.where(keep[:, t], delta + gamma * lam * running, torch.zeros_like(running))
-        advantages[:, t] = running
-        next_value = values[:, t]
+        running = torch.where(keep[:, t], delta + gamma * lam * running, running)
+        advantages[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
     returns = torch.where(keep, advantages + values, torch.zeros_like(values))
     return advantages, returns
 

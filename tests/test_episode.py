@@ -59,6 +59,7 @@ def test_every_field_round_trips():
             reward=None,
             reward_components={},
             rollout_logprobs=[math.log(p) for p in (0.7, 0.05, 0.999)],
+            completion_mask=[1, 0, 1],
         ),
     ]
     table = to_table(episodes)
@@ -153,6 +154,8 @@ def test_values_the_schema_cannot_hold_are_named(overrides, message):
         ),
         ({"prompt_token_ids": [], "completion_token_ids": [7]}, "prompt_token_ids: empty"),
         ({"reward": 1e308}, "episodes[0].reward: 1e+308 is beyond ±1e+15"),
+        ({"completion_mask": [1, 0]}, "completion_mask: 2 entries for 3 completion tokens"),
+        ({"completion_mask": [1, 2, 1]}, "completion_mask: entries must be 0 or 1"),
     ],
 )
 def test_episodes_the_model_cannot_take_are_named(overrides, message):
@@ -160,3 +163,19 @@ def test_episodes_the_model_cannot_take_are_named(overrides, message):
     validate_episodes([bad])  # the schema holds it; the model does not
     with pytest.raises(EpisodeError, match=re.escape(message)):
         validate_episodes([bad], LIMITS)
+
+
+def test_a_store_written_before_completion_masks_reads_as_all_policy_tokens(tmp_path):
+    import pyarrow.parquet as pq
+
+    import rlray.episodes
+
+    old = to_table([make_episode()]).drop_columns(["completion_mask"])
+    new = to_table([make_episode(episode_id="run-3-2", completion_mask=[1, 0, 1])])
+    for name, table in (("a-old", old), ("b-new", new)):
+        folder = tmp_path / "run=run" / "date=2026-11-23"
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, folder / f"{name}.parquet")
+    restored = {e.episode_id: e for e in from_table(rlray.episodes.read(tmp_path))}
+    assert restored["run-3-1"].completion_mask == []
+    assert restored["run-3-2"].completion_mask == [1, 0, 1]

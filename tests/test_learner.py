@@ -307,6 +307,40 @@ def test_padding_in_a_batch_changes_no_logprob(model_path, device):
     assert batch.mask.sum(dim=1).tolist() == [2.0, 6.0]
 
 
+def two_turn_episodes(learner: Learner, observation: str, garbage: float) -> list[Episode]:
+    """REWARDS' episodes as two turns: the first digit, an observation the rollout
+    appended (mask 0, rollout logprob `garbage`), then the rest and end of sequence."""
+    tok = learner.tokenizer
+    episodes = episodes_for(learner, REWARDS)
+    for e in episodes:
+        first, rest = e.completion_token_ids[:1], e.completion_token_ids[1:]
+        seen = tok(observation).input_ids
+        e.completion_token_ids = [*first, *seen, *rest]
+        e.completion_mask = [1] * len(first) + [0] * len(seen) + [1] * len(rest)
+    for e, logprobs in zip(episodes, plain_logprobs(learner.engine.policy, episodes), strict=True):
+        pairs = zip(logprobs, e.completion_mask, strict=True)
+        e.rollout_logprobs = [lp if policy else garbage for lp, policy in pairs]
+    return episodes
+
+
+def test_observation_tokens_are_context_but_never_trained_or_parity_checked(model_path, device):
+    learners = [make_learner(model_path, device, algorithm__advantage="grpo") for _ in range(3)]
+    one, two, unmasked = learners
+    metrics = one.train_step(two_turn_episodes(one, "+1=", garbage=-30.0))
+    # Parity covers the policy's tokens only: the observation's garbage logprobs (30 nats
+    # off) would show, and would also weight the loss through rollout correction.
+    assert metrics.logprob_parity_error < 1e-5
+    two.train_step(two_turn_episodes(two, "+1=", garbage=0.0))
+    assert_same_policy(one, two)
+    # The same tokens all counted as the policy's train differently.
+    episodes = two_turn_episodes(unmasked, "+1=", garbage=0.0)
+    for e, logprobs in zip(episodes, plain_logprobs(unmasked.engine.policy, episodes), strict=True):
+        e.completion_mask, e.rollout_logprobs = [], logprobs
+    unmasked.train_step(episodes)
+    with pytest.raises(AssertionError):
+        assert_same_policy(one, unmasked)
+
+
 def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, device, tmp_path):
     learner = make_learner(model_path, device, algorithm__advantage="gae")
     learner.train_step(episodes_for(learner, {"46": 1.0, "45": 0.0, "47": 0.0, "56": 0.0}))

@@ -43,6 +43,31 @@ def test_gae_padded_positions_change_nothing():
     assert adv[0, 3:].tolist() == [0.0, 0.0]
 
 
+def test_gae_steps_over_observation_tokens_between_turns():
+    # A two-turn episode: policy tokens at 0, 1 and 4, observation tokens at 2 and 3
+    # (mask 0), padding at 5. GAE over the policy's tokens alone is the three-step hand
+    # computation above (V = [0.5, 0.6, 0.7], r = [0, 0, 1]): the turn boundary neither
+    # ends the episode nor lets the observation's values or rewards in.
+    rewards = torch.tensor([[0.0, 0.0, 5.0, 5.0, 1.0, 9.0]])
+    values = torch.tensor([[0.5, 0.6, -4.0, 8.0, 0.7, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = rm.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.21712, 0.246, 0.0, 0.0, 0.3, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.71712, 0.846, 0.0, 0.0, 1.0, 0.0]]))
+
+
+def test_returns_and_token_rewards_step_over_observation_tokens():
+    # Policy tokens at 0 and 3; the final reward lands on 3, the last policy token (not
+    # on column mask.sum() - 1 = 1, an observation token), and G_0 = 0.9 * 1.
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0]])
+    kl = torch.tensor([[0.2, 7.0, 7.0, 0.4, 7.0]])
+    rewards = rm.token_rewards(torch.tensor([1.0]), kl, mask, kl_coef=0.5)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.0, 0.0, 0.8, 0.0]]))
+    returns = rm.discounted_returns(rewards, mask, gamma=0.9)
+    torch.testing.assert_close(returns, torch.tensor([[-0.1 + 0.72, 0.0, 0.0, 0.8, 0.0]]))
+    assert rm.last_unmasked(torch.tensor([[0.0, 0.0], [1.0, 0.0]])).tolist() == [0, 0]
+
+
 def test_gae_vectorised_over_batch_equals_per_episode_loop():
     torch.manual_seed(0)
     lengths = [5, 2, 4]
