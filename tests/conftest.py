@@ -160,6 +160,16 @@ def ray_session(ray_cluster):
 
 
 @pytest.fixture(scope="session")
+def rollout_host(ray_session):
+    """The session's RolloutHost actor (tests/rollout_host.py): one process, vLLM
+    imported once, for every test that needs a rollout actor on a model of its own."""
+    from tests.rollout_host import started_host
+
+    with started_host() as host:
+        yield host
+
+
+@pytest.fixture(scope="session")
 def job_env(ray_cluster) -> dict[str, str]:
     """Environment for `python jobs/ppo.py` subprocesses that join the session's cluster."""
     return {**ray_cluster.env, "RAY_ADDRESS": ray_cluster.address}

@@ -1,7 +1,7 @@
 """Weight sync per architecture: what the learner publishes for each model family, the
 packed transport's exact round trip, and - with a vLLM rollout actor per architecture,
-each in the module's one rollout process - that published weights reproduce an HF
-forward pass after every sync.
+each in the session's one rollout process (tests/rollout_host.py) - that published
+weights reproduce an HF forward pass after every sync.
 
 The models are tiny and random (hidden 128, 2 layers, head_dim 64 as vLLM's CPU
 attention needs, the character tokenizer), built offline. Before each sync every
@@ -11,14 +11,10 @@ so a weight that does not arrive (or arrives stale) shows up as a logprob gap.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import pickle
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -26,12 +22,9 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from rlray.actors import RolloutActor
-from rlray.config import ModelConfig, RolloutConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.models import build_char_tokenizer
-from rlray.rollout import vllm_env
 from rlray.weights import (
     pack_weights,
     publishable_weights,
@@ -39,6 +32,7 @@ from rlray.weights import (
     unpack_weights,
     weights_for_vllm,
 )
+from tests.rollout_host import RolloutHost, rollout_actor
 
 ARCHITECTURES = {
     # name: (transformers config class, its fields beyond the shared ones)
@@ -190,72 +184,6 @@ def test_tied_names_share_one_stored_buffer():
 
 
 # ------------------------------------------------------------------ into vLLM, per architecture
-
-
-# Every test's rollout uses this config, so one vllm_env serves them all.
-ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8)
-
-
-class RolloutHost:
-    """One process for every test's RolloutActor: starting a Ray actor process and
-    importing vLLM in it took most of each test's time (about 12 of 17 s on a 2-core
-    machine). It holds one RolloutActor at a time, constructed exactly as rlray
-    constructs one, and forwards the calls the tests make to it."""
-
-    def __init__(self) -> None:
-        self.rollout: RolloutActor | None = None
-
-    def start(self, *args: Any) -> None:
-        """Replaces the held RolloutActor by RolloutActor(*args)."""
-        self.stop()
-        self.rollout = RolloutActor(*args)
-
-    def stop(self) -> None:
-        """Shuts the held engine down. It runs in this process (vllm_env turns vLLM's
-        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
-        gc.freeze()s them at start) and its torch.distributed group, which the next
-        engine creates again."""
-        if self.rollout is not None:
-            self.rollout.llm.llm_engine.engine_core.shutdown()
-            self.rollout = None
-            gc.collect()
-
-    def generate(self, *args: Any) -> Any:
-        return self.rollout.generate(*args)
-
-    def load_published(self, published: Any) -> tuple[int, float]:
-        # Ray resolved the object reference for this call, as it does for an actor's.
-        return self.rollout.load_published(published)
-
-
-@pytest.fixture(scope="module")
-def rollout_host(ray_session) -> Iterator:
-    """The RolloutHost actor of this module, started with a rollout actor's resources
-    and environment (read when its process starts, as by a RolloutActor's)."""
-    host = (
-        ray.remote(RolloutHost)
-        .options(num_cpus=1, runtime_env={"env_vars": vllm_env(ROLLOUT)})
-        .remote()
-    )
-    try:
-        yield host
-    finally:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(host.stop.remote(), timeout=60)
-        ray.kill(host, no_restart=True)
-
-
-@contextlib.contextmanager
-def rollout_actor(host, model_dir: Path, dtype: str) -> Iterator:
-    """Yields the host holding a RolloutActor on the model, built with the arguments rlray
-    builds one with; shuts its engine down after."""
-    model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=64)
-    args = (f"rollout-{model_dir.name}", str(model_dir), model, ROLLOUT, "architectures", 0)
-    ray.get(host.start.remote(*args), timeout=300)
-    try:
-        yield host
-    finally:
-        ray.get(host.stop.remote(), timeout=60)
 
 
 def generate(actor) -> list[Episode]:

@@ -1,0 +1,270 @@
+"""Multi-turn rollouts, token in and token out.
+
+A trajectory alternates the policy's turns with an environment's observations. The
+worker keeps the exact token ids vLLM sampled and appends each observation's tokens
+itself: no earlier turn is ever tokenised again. (Re-tokenising a conversation can
+merge or split tokens at a turn boundary, and then the learner scores tokens vLLM never
+sampled: the importance ratio breaks without an error.) `completion_mask` says whose
+each completion token is: 1 the policy's, 0 the environment's.
+
+Trajectories run concurrently through vLLM's engine (continuous batching). When a turn
+finishes, its environment step runs in a thread while the engine goes on generating
+the other trajectories' turns, and the next turn is submitted as soon as the
+observation is back, so a long trajectory (or a slow tool) never holds the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlray.episode import Episode, Span
+
+if TYPE_CHECKING:
+    from rlray.data import PromptRow
+    from rlray.rollout import RolloutWorker
+
+# A trajectory's environment step is one thread; more than this many wait their turn.
+MAX_ENVIRONMENT_THREADS = 32
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """How long a trajectory may run."""
+
+    max_turns: int
+    """Model turns at most; the environment's answer to the last one is not appended."""
+    max_new_tokens: int
+    """Tokens the model may sample in one turn."""
+    max_completion_tokens: int
+    """All turns and observations together (the token budget): a turn gets what is left,
+    and an observation that does not fit ends the trajectory ('length')."""
+
+
+@dataclass
+class Trajectory:
+    """One episode generated turn by turn: the prompt, then model turns and observations."""
+
+    key: str
+    """Unique within one run_trajectories call (vLLM's request id, plus the turn)."""
+    row: Any
+    """The dataset row, handed to the environment's reset."""
+    prompt_token_ids: list[int]
+    environment: Any
+    """One environment per trajectory: reset(row) -> str, step(text) -> a result with
+    observation (str), reward (float or None) and done (bool); either may be async."""
+    completion_token_ids: list[int] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    """vLLM's logprob of each policy token; 0.0 on observation tokens (masked out)."""
+    pieces: list[str] = field(default_factory=list)
+    """The completion's text: model outputs and observations, in order."""
+    spans: list[Span] = field(default_factory=list)
+    turn_rewards: list[float | None] = field(default_factory=list)
+    """What the environment's step returned after each model turn."""
+    turns: int = 0
+    turn_started: float = 0.0
+    """When the current model turn was submitted (Unix seconds)."""
+    finish_reason: str = "stop"
+    """stop (the environment said done, or the model ended), length (out of tokens or
+    turns), or error (the environment raised; see the last span)."""
+
+    @property
+    def context(self) -> list[int]:
+        """Returns every token so far: what the next turn is generated from."""
+        return self.prompt_token_ids + self.completion_token_ids
+
+    @property
+    def completion(self) -> str:
+        return "".join(self.pieces)
+
+    def add_model_turn(self, token_ids: list[int], logprobs: list[float], text: str) -> None:
+        self.completion_token_ids += token_ids
+        self.completion_mask += [1] * len(token_ids)
+        self.rollout_logprobs += logprobs
+        self.pieces.append(text)
+        self.turns += 1
+
+    def add_observation(self, token_ids: list[int], text: str) -> None:
+        self.completion_token_ids += token_ids
+        self.completion_mask += [0] * len(token_ids)
+        self.rollout_logprobs += [0.0] * len(token_ids)
+        self.pieces.append(text)
+
+
+def call_maybe_async(method: Callable[..., Any], *args: Any) -> Any:
+    """Returns method(*args), run to completion if it is a coroutine function (each
+    environment thread runs its own event loop)."""
+    result = method(*args)
+    return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+def run_trajectories(
+    engine: Any,
+    encode: Callable[[str], list[int]],
+    trajectories: list[Trajectory],
+    sampling: Callable[[Trajectory, int], Any],
+    limits: TurnLimits,
+) -> None:
+    """Runs every trajectory to its end, filling in its completion.
+
+    `engine` is vLLM's LLMEngine (add_request, step, has_unfinished_requests), `encode`
+    the tokenizer's text -> ids without special tokens (for observations), and
+    `sampling(trajectory, max_tokens)` the SamplingParams of its next turn."""
+    in_engine: dict[str, Trajectory] = {}
+    stepping: dict[Future, tuple[Trajectory, float]] = {}
+    workers = min(MAX_ENVIRONMENT_THREADS, max(1, len(trajectories)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment") as pool:
+        for t in trajectories:
+            stepping[pool.submit(call_maybe_async, t.environment.reset, t.row)] = (t, time.time())
+        while in_engine or stepping:
+            if in_engine:
+                for output in engine.step():
+                    if output.finished:
+                        t = in_engine.pop(output.request_id)
+                        if _take_turn(t, output.outputs[0], limits):
+                            step = pool.submit(call_maybe_async, t.environment.step, t.pieces[-1])
+                            stepping[step] = (t, time.time())
+            # Observations that are back go in at once; with nothing to generate, the
+            # loop waits for the next one instead of spinning.
+            timeout = 0 if in_engine else None
+            finished, _ = wait(list(stepping), timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in finished:
+                t, started = stepping.pop(future)
+                if _take_observation(t, future, started, encode, limits):
+                    request = f"{t.key}-turn{t.turns}"
+                    budget = limits.max_completion_tokens - len(t.completion_token_ids)
+                    max_tokens = min(limits.max_new_tokens, budget)
+                    engine.add_request(
+                        request, {"prompt_token_ids": t.context}, sampling(t, max_tokens)
+                    )
+                    t.turn_started = time.time()
+                    in_engine[request] = t
+
+
+def _take_turn(t: Trajectory, completion: Any, limits: TurnLimits) -> bool:
+    """Appends a finished model turn; returns whether the environment should answer it."""
+    token_ids = list(completion.token_ids)
+    logprobs = [
+        step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
+    ]
+    t.add_model_turn(token_ids, logprobs, completion.text)
+    t.spans.append(Span("model_call", t.turn_started, time.time(), output=completion.text))
+    if completion.finish_reason == "length" and len(t.completion_token_ids) >= (
+        limits.max_completion_tokens
+    ):
+        t.finish_reason = "length"
+        return False
+    return True
+
+
+def _take_observation(
+    t: Trajectory, future: Future, started: float, encode: Callable, limits: TurnLimits
+) -> bool:
+    """Appends an environment's answer (to reset or to a turn); returns whether the
+    model takes another turn."""
+    first = t.turns == 0
+    try:
+        result = future.result()
+    except Exception as err:  # the environment's own bug: this trajectory ends, not the run
+        t.spans.append(Span("tool_call", started, time.time(), name="environment", error=repr(err)))
+        t.finish_reason = "error"
+        return False
+    observation = result if first else result.observation
+    if not first:
+        t.turn_rewards.append(result.reward)
+        t.spans += getattr(t.environment, "take_spans", lambda: [])()
+        if result.reward is not None:
+            now = time.time()
+            t.spans.append(Span("reward", now, now, value=result.reward, source="environment"))
+        if result.done:
+            return False
+        if t.turns >= limits.max_turns:
+            t.finish_reason = "length"
+            return False
+    token_ids = encode(observation) if observation else []
+    if first:
+        t.prompt_token_ids = t.prompt_token_ids + token_ids
+        return True
+    if len(t.completion_token_ids) + len(token_ids) >= limits.max_completion_tokens:
+        t.finish_reason = "length"
+        return False
+    t.add_observation(token_ids, observation)
+    return True
+
+
+def multi_turn_episodes(
+    worker: RolloutWorker,
+    rows: list[PromptRow],
+    first_prompt_index: int,
+    make_environment: Callable[[], Any],
+    limits: TurnLimits,
+) -> list[Episode]:
+    """Returns samples_per_prompt multi-turn episodes per prompt, generated by the
+    worker's engine with a fresh environment each (`make_environment()`)."""
+    from vllm import SamplingParams
+
+    from rlray.rollout import sampling_seed
+
+    tokenizer = worker.llm.get_tokenizer()
+    rollout, samples = worker.rollout, worker.rollout.samples_per_prompt
+    attempt = uuid.uuid4().hex[:8]  # unique per generation attempt, as single-turn ids
+    trajectories = [
+        Trajectory(
+            key=f"{first_prompt_index + offset}-{sample}-{attempt}",
+            row=row,
+            prompt_token_ids=tokenizer(row.prompt).input_ids,
+            environment=make_environment(),
+        )
+        for offset, row in enumerate(rows)
+        for sample in range(samples)
+    ]
+
+    def sampling(t: Trajectory, max_tokens: int) -> SamplingParams:
+        index, sample = (int(part) for part in t.key.split("-")[:2])
+        seed = sampling_seed(worker.seed, index, sample) + TURN_SEED_STRIDE * t.turns
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=rollout.temperature,
+            logprobs=0,
+            seed=seed % (2**31 - 1),
+        )
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    run_trajectories(worker.llm.llm_engine, encode, trajectories, sampling, limits)
+    now = time.time()
+    return [_episode(worker, t, now, attempt) for t in trajectories]
+
+
+# Each turn of a trajectory samples with its own seed: turn k adds k times this.
+TURN_SEED_STRIDE = 7919
+
+
+def _episode(worker: RolloutWorker, t: Trajectory, now: float, attempt: str) -> Episode:
+    index, sample = (int(part) for part in t.key.split("-")[:2])
+    return Episode(
+        run_id=worker.run_id,
+        episode_id=f"{worker.run_id}-{index}-{sample}-{attempt}",
+        prompt_index=index,
+        sample_index=sample,
+        prompt=t.row.prompt,
+        completion=t.completion,
+        prompt_token_ids=t.prompt_token_ids,
+        completion_token_ids=t.completion_token_ids,
+        rollout_logprobs=t.rollout_logprobs,
+        finish_reason=t.finish_reason,
+        policy_version=worker.policy_version,
+        rollout_worker=worker.name,
+        columns=dict(t.row.columns),
+        generated_at=now,
+        spans=t.spans,
+        completion_mask=t.completion_mask,
+    )

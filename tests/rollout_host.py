@@ -1,0 +1,86 @@
+"""One Ray process that holds rollout actors for the tests, one after another.
+
+Starting a Ray actor process and importing vLLM in it takes most of a rollout test's
+time (about 12 of 17 s on 2 cores). The session's RolloutHost holds one RolloutActor at
+a time, constructed exactly as rlray constructs one, and forwards the calls the tests
+make to it (tests/test_architectures.py, tests/test_multiturn.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rlray.actors import RolloutActor
+from rlray.config import ModelConfig, RolloutConfig
+from rlray.rollout import vllm_env
+
+# Every test's rollout uses this config, so one vllm_env serves them all.
+ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8)
+
+
+class RolloutHost:
+    """One process for every test's RolloutActor: starting a Ray actor process and
+    importing vLLM in it took most of each test's time (about 12 of 17 s on a 2-core
+    machine). It holds one RolloutActor at a time, constructed exactly as rlray
+    constructs one, and forwards the calls the tests make to it."""
+
+    def __init__(self) -> None:
+        self.rollout: RolloutActor | None = None
+
+    def start(self, *args: Any) -> None:
+        """Replaces the held RolloutActor by RolloutActor(*args)."""
+        self.stop()
+        self.rollout = RolloutActor(*args)
+
+    def stop(self) -> None:
+        """Shuts the held engine down. It runs in this process (vllm_env turns vLLM's
+        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
+        gc.freeze()s them at start) and its torch.distributed group, which the next
+        engine creates again."""
+        if self.rollout is not None:
+            self.rollout.llm.llm_engine.engine_core.shutdown()
+            self.rollout = None
+            gc.collect()
+
+    def generate(self, *args: Any) -> Any:
+        return self.rollout.generate(*args)
+
+    def load_published(self, published: Any) -> tuple[int, float]:
+        # Ray resolved the object reference for this call, as it does for an actor's.
+        return self.rollout.load_published(published)
+
+
+@contextlib.contextmanager
+def started_host() -> Iterator:
+    """Yields a RolloutHost actor, started with a rollout actor's resources and
+    environment (read when its process starts, as by a RolloutActor's); kills it after."""
+    host = (
+        ray.remote(RolloutHost)
+        .options(num_cpus=1, runtime_env={"env_vars": vllm_env(ROLLOUT)})
+        .remote()
+    )
+    try:
+        yield host
+    finally:
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(host.stop.remote(), timeout=60)
+        ray.kill(host, no_restart=True)
+
+
+@contextlib.contextmanager
+def rollout_actor(host, model_dir: Path, dtype: str, max_model_len: int = 64) -> Iterator:
+    """Yields the host holding a RolloutActor on the model, built with the arguments rlray
+    builds one with; shuts its engine down after."""
+    model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=max_model_len)
+    args = (f"rollout-{model_dir.name}", str(model_dir), model, ROLLOUT, "tests", 0)
+    ray.get(host.start.remote(*args), timeout=300)
+    try:
+        yield host
+    finally:
+        ray.get(host.stop.remote(), timeout=60)

@@ -1,0 +1,177 @@
+"""Multi-turn rollouts on real vLLM (the session's rollout host, tests/rollout_host.py):
+token in and token out, the loss mask at every turn boundary, parity on the policy's
+tokens, the token budget, and trajectories that do not wait for each other."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlray.config import Config
+from rlray.data import PromptRow
+from rlray.models import load_tokenizer, resolve_model_path
+from rlray.multiturn import TurnLimits, multi_turn_episodes
+from tests.rollout_host import RolloutHost, rollout_actor
+from tests.test_job import load_policy
+from tests.test_learner import plain_logprobs
+
+pytestmark = pytest.mark.slow
+
+ROWS = [PromptRow("12+34=", {"answer": "46"}), PromptRow("5+7=", {"answer": "12"})]
+OBSERVATION = "(1+1)="  # characters of the embedded tokenizer: one token each
+
+
+@dataclass
+class Result:
+    observation: str
+    reward: float | None
+    done: bool
+
+
+class AskTwice:
+    """Answers the first turn with OBSERVATION and ends after the second, rewarding it."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, row: PromptRow) -> str:
+        return ""
+
+    def step(self, action: str) -> Result:
+        self.turns += 1
+        return Result(OBSERVATION, None, False) if self.turns == 1 else Result("", 1.0, True)
+
+
+class Endless:
+    """Never done: the turn limit or the token budget ends it."""
+
+    def reset(self, row: PromptRow) -> str:
+        return "("
+
+    async def step(self, action: str) -> Result:  # an async environment works as well
+        return Result(OBSERVATION, 0.0, False)
+
+
+def run_on_host(host: RolloutHost, rows, environment, limits: TurnLimits) -> list:
+    return multi_turn_episodes(host.rollout, rows, 0, environment, limits)
+
+
+@pytest.fixture(scope="module")
+def tiny_rollout(rollout_host):
+    path = Path(resolve_model_path(Config().model.path))
+    with rollout_actor(rollout_host, path, "float32") as host:
+        yield host, path
+
+
+def generate(host, environment, limits: TurnLimits) -> list:
+    call = host.__ray_call__.remote(run_on_host, ROWS, environment, limits)
+    return ray.get(call, timeout=300)
+
+
+def test_observations_are_appended_as_tokens_and_masked_at_every_boundary(tiny_rollout):
+    host, path = tiny_rollout
+    episodes = generate(
+        host, AskTwice, TurnLimits(max_turns=4, max_new_tokens=6, max_completion_tokens=40)
+    )
+    observed = load_tokenizer(str(path))(OBSERVATION, add_special_tokens=False).input_ids
+    assert len(episodes) == 4  # 2 prompts x 2 samples
+    for e in episodes:
+        first, second = e.spans[0].output, e.spans[1].output
+        n = e.completion_mask.index(0)  # the first turn's tokens
+        assert e.completion_mask == [1] * n + [0] * len(observed) + [1] * (
+            len(e.completion_token_ids) - n - len(observed)
+        )
+        # The observation's own tokens sit between the turns, and the text reads in order.
+        assert e.completion_token_ids[n : n + len(observed)] == observed
+        assert e.completion == first + OBSERVATION + second
+        assert [s.kind for s in e.spans] == ["model_call", "model_call", "reward"]
+        assert e.spans[2].value == 1.0 and e.finish_reason == "stop"
+    # Token out: vLLM's logprobs of the policy's tokens, in both turns, are those of a
+    # plain forward pass over the very ids stored (the second turn was generated from
+    # them); observation tokens carry no logprob of the policy.
+    model = load_policy(path)
+    for e, plain in zip(episodes, plain_logprobs(model, episodes), strict=True):
+        for rollout, reference, policy in zip(
+            e.rollout_logprobs, plain, e.completion_mask, strict=True
+        ):
+            assert abs(rollout - reference) <= 1e-4 if policy else rollout == 0.0
+
+
+def test_the_turn_limit_and_the_token_budget_end_a_trajectory(tiny_rollout):
+    host, path = tiny_rollout
+    # What reset() answers is part of the prompt.
+    (opening,) = load_tokenizer(str(path))("(", add_special_tokens=False).input_ids
+    limited = generate(
+        host, Endless, TurnLimits(max_turns=2, max_new_tokens=4, max_completion_tokens=60)
+    )
+    for e in limited:
+        assert e.prompt_token_ids[-1] == opening and e.finish_reason == "length"
+        assert sum(s.kind == "model_call" for s in e.spans) == 2
+        # One observation between the two turns: the turn limit stops the second.
+        assert e.completion_mask.count(0) == len(OBSERVATION)
+    budget = generate(
+        host, Endless, TurnLimits(max_turns=50, max_new_tokens=4, max_completion_tokens=24)
+    )
+    for e in budget:
+        assert e.finish_reason == "length" and len(e.completion_token_ids) <= 24
+        assert sum(s.kind == "model_call" for s in e.spans) > 2
+
+
+# Trajectories of the host process's environments meet here (the module is imported
+# once in that process).
+FAST_DONE = threading.Event()
+
+
+class Quick:
+    """Three quick turns; the last one's end lets the slow environment answer."""
+
+    finished = 0
+    lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, row: PromptRow) -> str:
+        return ""
+
+    def step(self, action: str) -> Result:
+        self.turns += 1
+        if self.turns < 3:
+            return Result(OBSERVATION, None, False)
+        with Quick.lock:
+            Quick.finished += 1
+            if Quick.finished == 3:
+                FAST_DONE.set()
+        return Result("", 1.0, True)
+
+
+class SlowFirst:
+    """The first trajectory's environment answers only once the three others are done:
+    a loop that waited for every trajectory's step before the next turn would never get
+    there (the wait would time out and the reward would say so)."""
+
+    made = 0
+
+    def __new__(cls):
+        SlowFirst.made += 1
+        return super().__new__(SlowFirst) if SlowFirst.made == 1 else Quick()
+
+    def reset(self, row: PromptRow) -> str:
+        return ""
+
+    def step(self, action: str) -> Result:
+        return Result("", 1.0 if FAST_DONE.wait(timeout=60) else 0.0, True)
+
+
+def test_a_slow_environment_does_not_hold_the_other_trajectories(tiny_rollout):
+    host, _ = tiny_rollout
+    episodes = generate(
+        host, SlowFirst, TurnLimits(max_turns=4, max_new_tokens=4, max_completion_tokens=40)
+    )
+    slow, *quick = episodes
+    assert slow.spans[-1].value == 1.0  # the three quick ones finished while it waited
+    assert all(sum(s.kind == "model_call" for s in e.spans) == 3 for e in quick)
