@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
-from rlray.config import BUILTIN_MODEL, Config, IngestConfig, StoreConfig
+from rlray.config import Config, IngestConfig, StoreConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode, ModelLimits
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
@@ -509,7 +509,7 @@ def _start_learner(
             config.model,
             config.algorithm,
             config.learner,
-            max_new_tokens=config.rollout.max_new_tokens,
+            max_new_tokens=config.completion_budget,
             samples_per_prompt=config.rollout.samples_per_prompt,
             temperature=config.rollout.temperature,
             seed=config.seed,
@@ -520,9 +520,9 @@ def _start_learner(
 
 
 def _model_for_actors(config: Config, model_path: str) -> str:
-    """Returns the model actors load: the embedded one by name (each node builds or
-    finds it in its own cache), any other by the path or hub name the driver checked."""
-    return config.model.path if config.model.path == BUILTIN_MODEL else model_path
+    """Returns the model actors load: a built-in one by name (each node builds or finds
+    it in its own cache), any other by the path or hub name the driver checked."""
+    return config.model.path if config.model.path.startswith("builtin:") else model_path
 
 
 def actor_processes(actors: Actors, timeout_s: float) -> dict[str, dict[str, Any]]:

@@ -31,6 +31,10 @@ from jsonargparse import Namespace
 
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_DATA = "builtin:arithmetic"
+# The multi-turn calculator task (rlray.calculator; examples/calculator.yaml).
+BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
+BUILTIN_MULTIPLICATION = "builtin:multiplication"
+BUILTIN_CALCULATOR = "builtin:calculator"
 
 # Every set of choices is defined once, here; --help lists them and parsing checks them.
 Dtype = Literal["float32", "bfloat16"]
@@ -59,7 +63,8 @@ class ModelConfig:
     path: str = BUILTIN_MODEL
     """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
     that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
-    and warm-started on the arithmetic task on first use, then cached."""
+    and warm-started on the arithmetic task on first use, then cached
+    (builtin:tiny-calculator: the same, warm-started on the calculator task)."""
     dtype: Dtype = "float32"
     """Compute dtype of rollouts and learner: float32, or bfloat16 (vLLM runs in bfloat16;
     the learner keeps float32 master weights and optimizer state and computes under
@@ -74,11 +79,14 @@ class DataConfig:
     """Prompts: the training set and the held-out evaluation set."""
 
     train: str = BUILTIN_DATA
-    """Training prompts: builtin:arithmetic, or a JSONL file with a "prompt" field per
-    line; other fields (e.g. "answer") reach the reward functions as columns."""
+    """Training prompts: builtin:arithmetic, builtin:multiplication (two-digit a*b, the
+    calculator task's), or a JSONL file with a "prompt" field per line; other fields
+    (e.g. "answer") reach the reward functions as columns."""
     eval: str = BUILTIN_DATA
-    """Held-out prompts for greedy exact-match evaluation: builtin:arithmetic (pairs
-    disjoint from training) or a JSONL file with "prompt" and "answer" fields."""
+    """Held-out prompts for greedy evaluation: builtin:arithmetic or
+    builtin:multiplication (pairs disjoint from training) or a JSONL file with "prompt"
+    and "answer" fields. Scored by exact match, or with rollout.environment by the
+    environment's reward."""
     eval_size: int = 200
     """How many held-out prompts each evaluation uses."""
     arithmetic_digits: int = 2
@@ -123,6 +131,16 @@ class RolloutConfig:
     placement_strategy: PlacementStrategy = "SPREAD"
     """Placement group strategy of the rollout actors' bundles: SPREAD, STRICT_SPREAD
     (each on its own node), PACK or STRICT_PACK."""
+    environment: str = ""
+    """Multi-turn episodes: "" for one model call per episode; builtin:calculator (the
+    calculator task), or your own class as "mypkg.envs:Env" or "path/to/file.py:Env",
+    built once per trajectory: reset(row) -> str, step(text) -> a result with
+    observation, reward and done (rlray.multiturn). Turns are token in, token out."""
+    max_turns: int = 4
+    """Model turns per multi-turn episode at most (with rollout.environment)."""
+    max_completion_tokens: int = 0
+    """Token budget of a multi-turn episode: every turn and observation together; 0 is
+    max_new_tokens x max_turns. Prompt plus budget must fit model.max_model_len."""
 
 
 @dataclass
@@ -381,6 +399,15 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
 
     @property
+    def completion_budget(self) -> int:
+        """Returns the most completion tokens an episode can have: max_new_tokens, or a
+        multi-turn episode's budget (turns and observations)."""
+        r = self.rollout
+        if not r.environment:
+            return r.max_new_tokens
+        return r.max_completion_tokens or r.max_new_tokens * r.max_turns
+
+    @property
     def rollout_batch_episodes(self) -> int:
         """Returns the number of episodes one generate call makes."""
         return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
@@ -611,6 +638,7 @@ def validate(config: Config) -> None:
         "rollout.prompts_per_batch": r.prompts_per_batch,
         "rollout.samples_per_prompt": r.samples_per_prompt,
         "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.max_turns": r.max_turns,
         "reward.num_workers": config.reward.num_workers,
         "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
@@ -645,6 +673,7 @@ def validate(config: Config) -> None:
         "rollout.gpus_per_worker": r.gpus_per_worker,
         "rollout.kv_cache_gib": r.kv_cache_gib,
         "rollout.min_new_tokens": r.min_new_tokens,
+        "rollout.max_completion_tokens": r.max_completion_tokens,
         "reward.cpus_per_worker": config.reward.cpus_per_worker,
         "buffer.max_staleness": b.max_staleness,
         "algorithm.vf_coef": a.vf_coef,

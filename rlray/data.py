@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlray.config import BUILTIN_DATA, ConfigError, DataConfig
+from rlray.config import BUILTIN_DATA, BUILTIN_MULTIPLICATION, ConfigError, DataConfig
 
 # Fixed so that the held-out set does not move when the run seed changes.
 _EVAL_SPLIT_SEED = 20261122
@@ -30,6 +30,10 @@ class PromptRow:
 class PromptSource(Protocol):
     def row(self, index: int) -> PromptRow:
         """Returns the index-th prompt of the stream."""
+        ...
+
+    def longest_prompts(self) -> list[PromptRow]:
+        """Returns the prompts with the most characters (for the context-window check)."""
         ...
 
 
@@ -133,12 +137,19 @@ def read_jsonl(
     return rows
 
 
-def train_prompts(data: DataConfig, seed: int) -> ArithmeticPrompts | FilePrompts:
+BUILTIN_SOURCES = f"{BUILTIN_DATA}, {BUILTIN_MULTIPLICATION}"
+
+
+def train_prompts(data: DataConfig, seed: int) -> PromptSource:
     """Returns the training prompt stream named by the config."""
     if data.train == BUILTIN_DATA:
         return ArithmeticPrompts(data.arithmetic_digits, seed, held_out=data.eval_size)
+    if data.train == BUILTIN_MULTIPLICATION:
+        from rlray.calculator import MultiplicationPrompts
+
+        return MultiplicationPrompts(seed, held_out=data.eval_size)
     if data.train.startswith("builtin:"):
-        raise ConfigError(f"data.train: unknown built-in {data.train!r}; known: {BUILTIN_DATA}")
+        raise ConfigError(f"data.train: unknown built-in {data.train!r}; known: {BUILTIN_SOURCES}")
     return FilePrompts(read_jsonl(data.train, "data.train"), seed, data.shuffle)
 
 
@@ -147,8 +158,12 @@ def eval_rows(data: DataConfig) -> list[PromptRow]:
     if data.eval == BUILTIN_DATA:
         pairs = arithmetic_eval_pairs(data.arithmetic_digits, data.eval_size)
         return [arithmetic_row(a, b) for a, b in pairs]
+    if data.eval == BUILTIN_MULTIPLICATION:
+        from rlray.calculator import held_out_pairs, multiplication_row
+
+        return [multiplication_row(a, b) for a, b in held_out_pairs(data.eval_size)]
     if data.eval.startswith("builtin:"):
-        raise ConfigError(f"data.eval: unknown built-in {data.eval!r}; known: {BUILTIN_DATA}")
+        raise ConfigError(f"data.eval: unknown built-in {data.eval!r}; known: {BUILTIN_SOURCES}")
     return read_jsonl(data.eval, "data.eval", require=("prompt", "answer"))[: data.eval_size]
 
 

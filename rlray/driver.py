@@ -34,7 +34,9 @@ from rlray.data import (
     train_prompts,
 )
 from rlray.models import model_limits, read_prompts, resolve_model_path
+from rlray.multiturn import load_environment
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
+from rlray.rewards.worker import TRACE_COLUMN
 from rlray.rollout import EvalResult, GenerateStats
 from rlray.step_metrics import metrics_dict
 from rlray.store import StoreStats
@@ -78,7 +80,9 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     prompts = train_prompts(config.data, config.seed)
     held_out = eval_rows(config.data)
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
-    check_rewards(config.reward.functions, set(prompts.row(0).columns))
+    check_rewards(config.reward.functions, {*prompts.row(0).columns, TRACE_COLUMN})
+    if config.rollout.environment:
+        load_environment(config.rollout.environment)
     model_path = resolve_model_path(config.model.path)
     model_limits(model_path, config.model.max_model_len)
     sources = {"data.train": prompts.longest_prompts(), "data.eval": held_out}
@@ -86,7 +90,7 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     for (source, rows), read in zip(sources.items(), readings, strict=True):
         counts = [tokens.count for tokens in read]
         check_prompts_fit(
-            rows, counts, config.rollout.max_new_tokens, config.model.max_model_len, source
+            rows, counts, config.completion_budget, config.model.max_model_len, source
         )
         if warning := lost_characters_warning(rows, [t.read_as for t in read], source):
             logger.warning("warning: %s", warning)
@@ -161,6 +165,11 @@ class RolloutTally:
     """Groups left out by dynamic sampling (all samples got the same reward)."""
     uniform_episodes: int = 0
     per_worker_version: dict[str, int] = field(default_factory=dict)
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    def tool_call_success_rate(self) -> float | None:
+        return 1 - self.tool_errors / self.tool_calls if self.tool_calls else None
 
     def tokens_per_s(self) -> float | None:
         return self.completion_tokens / self.generate_seconds if self.generate_seconds else None
@@ -318,6 +327,8 @@ class TrainingDriver:
             return False
         item.generated = gen
         self.tally.completion_tokens += gen.completion_tokens
+        self.tally.tool_calls += gen.tool_calls
+        self.tally.tool_errors += gen.tool_errors
         self.tally.generate_seconds += gen.seconds
         self.tally.per_worker_version[gen.worker] = gen.policy_version
         return True
@@ -482,6 +493,8 @@ class TrainingDriver:
             "dropped_uniform_groups": tally.uniform_groups,
             "dropped_uniform_episodes": tally.uniform_episodes,
             "worker_policy_versions": tally.per_worker_version,
+            "tool_calls": tally.tool_calls,
+            "tool_call_success_rate": tally.tool_call_success_rate(),
             "actor_restarts": dict(self.restarts),
         }
 

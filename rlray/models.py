@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlray.config import BUILTIN_MODEL, ConfigError
+from rlray.config import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL, ConfigError
 from rlray.episode import ModelLimits
 
 TINY_RECIPE = {
@@ -57,8 +57,13 @@ def resolve_model_path(spec: str) -> str:
     """
     if spec == BUILTIN_MODEL:
         return str(tiny_arithmetic_model())
+    if spec == BUILTIN_CALCULATOR_MODEL:
+        from rlray.calculator import tiny_calculator_model
+
+        return str(tiny_calculator_model())
     if spec.startswith("builtin:"):
-        raise ConfigError(f"model.path: unknown built-in model {spec!r}; known: {BUILTIN_MODEL}")
+        known = f"{BUILTIN_MODEL}, {BUILTIN_CALCULATOR_MODEL}"
+        raise ConfigError(f"model.path: unknown built-in model {spec!r}; known: {known}")
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

@@ -16,6 +16,13 @@ from rlray.config import ModelConfig, RolloutConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.models import resolve_model_path
+from rlray.multiturn import (
+    environment_reward,
+    load_environment,
+    multi_turn_episodes,
+    tool_calls,
+    turn_limits,
+)
 from rlray.rewards import exact_match
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
@@ -42,7 +49,11 @@ class GenerateStats:
     policy_version: int
     episodes: int
     completion_tokens: int
+    """Tokens the policy generated (observation tokens of multi-turn episodes aside)."""
     seconds: float
+    tool_calls: int = 0
+    """Tool calls of multi-turn episodes (tool_call spans), and how many failed."""
+    tool_errors: int = 0
 
 
 @dataclass
@@ -134,6 +145,11 @@ class RolloutWorker:
             engine_args["block_size"] = KV_BLOCK_TOKENS
             if rollout.kv_cache_gib == 0:
                 engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
+        if rollout.environment:
+            # Turns arrive while others decode, and a prefill split across engine steps
+            # (chunked prefill) fails for seeded sampling on the CPU build ("CPU Generator
+            # does not use offset", vLLM 0.32): prefills wait for room instead.
+            engine_args["enable_chunked_prefill"] = False
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -143,6 +159,10 @@ class RolloutWorker:
             # Logprobs after temperature scaling: what the learner recomputes.
             logprobs_mode="processed_logprobs",
             **engine_args,
+        )
+        # Multi-turn rollouts: one environment per trajectory (rlray.multiturn).
+        self.make_environment = (
+            load_environment(rollout.environment) if rollout.environment else None
         )
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
         for handler in logging.getLogger("vllm").handlers:
@@ -154,6 +174,9 @@ class RolloutWorker:
         """Returns samples_per_prompt episodes per prompt, tagged with this worker's
         policy version, and a small stats record."""
         from vllm import SamplingParams
+
+        if self.make_environment is not None:
+            return self._generate_turns(rows, first_prompt_index)
 
         samples = self.rollout.samples_per_prompt
         prompts, params, keys = [], [], []
@@ -186,6 +209,22 @@ class RolloutWorker:
         stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
         return episodes, stats
 
+    def _generate_turns(
+        self, rows: list[PromptRow], first_prompt_index: int
+    ) -> tuple[list[Episode], GenerateStats]:
+        started = time.perf_counter()
+        limits = turn_limits(self.rollout)
+        episodes = multi_turn_episodes(
+            self, rows, first_prompt_index, self.make_environment, limits
+        )
+        seconds = time.perf_counter() - started
+        tokens = sum(sum(e.completion_mask) for e in episodes)
+        calls, errors = tool_calls(episodes)
+        stats = GenerateStats(
+            self.name, self.policy_version, len(episodes), tokens, seconds, calls, errors
+        )
+        return episodes, stats
+
     def _episode(
         self, row: PromptRow, index: int, sample: int, output, now: float, attempt: str
     ) -> Episode:
@@ -212,8 +251,12 @@ class RolloutWorker:
         )
 
     def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
-        """Returns greedy-decoding exact-match accuracy against each row's 'answer'."""
+        """Returns greedy-decoding exact-match accuracy against each row's 'answer' (with
+        an environment: the mean of the rewards it gave greedy trajectories)."""
         from vllm import SamplingParams
+
+        if self.make_environment is not None:
+            return self._evaluate_turns(rows, examples)
 
         params = SamplingParams(max_tokens=self.rollout.max_new_tokens, temperature=0.0)
         outputs = self.llm.generate([r.prompt for r in rows], params, use_tqdm=False)
@@ -222,6 +265,14 @@ class RolloutWorker:
         scores = exact_match([r.prompt for r in rows], completions, answer=answers)
         shown = list(zip([r.prompt for r in rows], completions, answers, strict=True))[:examples]
         return EvalResult(sum(scores) / len(scores), self.policy_version, shown)
+
+    def _evaluate_turns(self, rows: list[PromptRow], examples: int) -> EvalResult:
+        limits = turn_limits(self.rollout)
+        episodes = multi_turn_episodes(self, rows, 0, self.make_environment, limits, greedy=True)
+        rewards = [environment_reward(e) or 0.0 for e in episodes]
+        answers = [str(r.columns.get("answer", "")) for r in rows]
+        shown = [(e.prompt, e.completion, a) for e, a in zip(episodes, answers, strict=True)]
+        return EvalResult(sum(rewards) / len(rewards), self.policy_version, shown[:examples])
 
     def load_weights(self, version: int, weights: Mapping) -> float:
         """Loads a published state dict in place and returns the seconds it took."""

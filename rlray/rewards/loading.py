@@ -44,6 +44,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "code_tests": "rlray.rewards.code:code_tests",
     "embedding_similarity": "rlray.rewards.model_rewards:EmbeddingSimilarity",
     "classifier_reward": "rlray.rewards.model_rewards:ClassifierReward",
+    "environment_reward": "rlray.rewards.trace:environment_reward",
 }
 
 
@@ -98,6 +99,15 @@ def resolve_target(name: str) -> Any:
     if not colon or not module_part or not attr:
         known = ", ".join(sorted(BUILTIN_REWARDS))
         raise ValueError(f"unknown reward {name!r}: not a built-in ({known}) nor 'module:function'")
+    return import_attribute(target)
+
+
+def import_attribute(target: str) -> Any:
+    """Returns the callable at "module:name" or "path/to/file.py:name"; raises ValueError
+    with a one-line reason."""
+    module_part, colon, attr = target.rpartition(":")
+    if not colon or not module_part or not attr:
+        raise ValueError(f"{target!r} is not 'module:name' nor 'path/to/file.py:name'")
     module = _import_file(module_part) if module_part.endswith(".py") else _import(module_part)
     if not hasattr(module, attr):
         raise ValueError(f"{module_part} has no attribute {attr!r}")

@@ -143,14 +143,20 @@ class RewardWorker:
 
 
 def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
-    """Returns a reward call's arguments: prompts, completions and every data column
-    (the reward process passes on the columns the reward takes)."""
+    """Returns a reward call's arguments: prompts, completions and every data column,
+    plus `spans`, each episode's trace (the reward process passes on the columns the
+    reward takes)."""
     names = dict.fromkeys(key for e in episodes for key in e.columns)
+    columns = {key: [e.columns.get(key) for e in episodes] for key in names}
     return {
         "prompts": [e.prompt for e in episodes],
         "completions": [e.completion for e in episodes],
-        "columns": {key: [e.columns.get(key) for e in episodes] for key in names},
+        "columns": {**columns, TRACE_COLUMN: [e.spans for e in episodes]},
     }
+
+
+TRACE_COLUMN = "spans"
+"""The column that carries each episode's spans to the rewards that name it."""
 
 
 def checked_scores(raw: Any, count: int) -> ComponentScores:
