@@ -113,6 +113,14 @@ class RolloutConfig:
     logprob gap grows; meant for throughput measurements with random-weight models."""
     temperature: float = 1.0
     """Sampling temperature (the learner scores tokens at the same temperature)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (vLLM's SamplingParams.stop), in generation and evaluation: a
+    completion ends where one appears. Its text leaves the stop string out; its token ids
+    keep every sampled token, so the learner trains on what was sampled."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion besides end-of-sequence (vLLM's
+    SamplingParams.stop_token_ids), kept as its last token, e.g. a chat model's
+    end-of-turn token where its config names another EOS."""
     kv_cache_gib: int = 0
     """KV-cache size per worker in GiB on vLLM's CPU backend; 0 sizes it to the job:
     every sequence of a rollout batch at model.max_model_len tokens. Ignored on GPU
@@ -722,6 +730,7 @@ def validate(config: Config) -> None:
         )
     if r.temperature == 0:
         raise ConfigError("rollout.temperature must be > 0 (RL needs sampled episodes)")
+    _check_stop_settings(r)
     _check_batch_sizes(config)
     if b.max_staleness < learner.sync_every - 1:
         raise ConfigError(
@@ -781,6 +790,17 @@ def _check_algorithm(config: Config) -> None:
             f"rollout.samples_per_prompt must be >= 2 for algorithm.advantage {a.advantage} "
             "(it compares the samples of each prompt)"
         )
+
+
+def _check_stop_settings(r: RolloutConfig) -> None:
+    """Raises ConfigError unless stop strings are non-empty and stop token ids >= 0
+    (that they are in the model's vocabulary is checked with the model, in plan_run)."""
+    for i, text in enumerate(r.stop):
+        if not text:
+            raise ConfigError(f"rollout.stop[{i}] is empty (an empty stop string ends at once)")
+    for i, token in enumerate(r.stop_token_ids):
+        if token < 0:
+            raise ConfigError(f"rollout.stop_token_ids[{i}] must be >= 0, got {token}")
 
 
 def _check_batch_sizes(config: Config) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlray.chat import MESSAGES_COLUMN, Prompt, message_list_problem, prompt_preview
 from rlray.config import BUILTIN_DATA, BUILTIN_MULTIPLICATION, ConfigError, DataConfig
 
 # Fixed so that the held-out set does not move when the run seed changes.
@@ -23,7 +24,9 @@ _EVAL_SPLIT_SEED = 20261122
 class PromptRow:
     """One prompt and the dataset columns that travel with it (e.g. answer)."""
 
-    prompt: str
+    prompt: Prompt
+    """Text, or chat messages that the rollout worker renders with the model's chat
+    template (rlray.chat)."""
     columns: dict[str, Any] = field(default_factory=dict)
 
 
@@ -126,15 +129,23 @@ def read_jsonl(
             for key in require:
                 if key not in record:
                     raise ConfigError(f"{path}:{number}: missing field '{key}'")
-            if not isinstance(record["prompt"], str):
-                raise ConfigError(f"{path}:{number}: 'prompt' must be a string")
-            if not record["prompt"]:
-                raise ConfigError(f"{path}:{number}: 'prompt' is empty")
+            if problem := _prompt_problem(record):
+                raise ConfigError(f"{path}:{number}: 'prompt' {problem}")
             prompt = record.pop("prompt")
             rows.append(PromptRow(prompt=prompt, columns=record))
     if not rows:
         raise ConfigError(f"{field_name}: {path} holds no prompts")
     return rows
+
+
+def _prompt_problem(record: dict[str, Any]) -> str | None:
+    """Returns what is wrong with a record's prompt (text or chat messages), or None."""
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        return None if prompt else "is empty"
+    if MESSAGES_COLUMN in record:  # the episode keeps the messages there
+        return f"is chat messages, so the row may not have a column '{MESSAGES_COLUMN}'"
+    return message_list_problem(prompt)
 
 
 BUILTIN_SOURCES = f"{BUILTIN_DATA}, {BUILTIN_MULTIPLICATION}"
@@ -179,11 +190,12 @@ def check_prompts_fit(
     for row, count in zip(rows, token_counts, strict=True):
         if count == 0:
             raise ConfigError(
-                f"{source}: prompt {_preview(row.prompt)} is no tokens to the model's tokenizer"
+                f"{source}: prompt {prompt_preview(row.prompt)} is no tokens to the model's "
+                "tokenizer"
             )
         if count + max_new_tokens > max_model_len:
             raise ConfigError(
-                f"{source}: prompt {_preview(row.prompt)} is {count} tokens; with "
+                f"{source}: prompt {prompt_preview(row.prompt)} is {count} tokens; with "
                 f"rollout.max_new_tokens={max_new_tokens} it exceeds "
                 f"model.max_model_len={max_model_len}"
             )
@@ -202,9 +214,5 @@ def lost_characters_warning(
     prompt, read = lossy[0]
     return (
         f"{source}: {len(lossy)} of {len(rows)} prompts lose characters to the model's "
-        f"tokenizer, e.g. {_preview(prompt)} reads as {_preview(read)}"
+        f"tokenizer, e.g. {prompt_preview(prompt)} reads as {prompt_preview(read)}"
     )
-
-
-def _preview(text: str) -> str:
-    return repr(text[:40] + ("..." if len(text) > 40 else ""))

@@ -33,6 +33,7 @@ from rlray.data import (
     lost_characters_warning,
     train_prompts,
 )
+from rlray.episode import ModelLimits
 from rlray.models import model_limits, read_prompts, resolve_model_path
 from rlray.multiturn import load_environment
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
@@ -84,7 +85,8 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     if config.rollout.environment:
         load_environment(config.rollout.environment)
     model_path = resolve_model_path(config.model.path)
-    model_limits(model_path, config.model.max_model_len)
+    limits = model_limits(model_path, config.model.max_model_len)
+    _check_stop_token_ids(config.rollout.stop_token_ids, limits)
     sources = {"data.train": prompts.longest_prompts(), "data.eval": held_out}
     readings = read_prompts(model_path, [[r.prompt for r in rows] for rows in sources.values()])
     for (source, rows), read in zip(sources.items(), readings, strict=True):
@@ -96,6 +98,17 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
             logger.warning("warning: %s", warning)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def _check_stop_token_ids(token_ids: list[int], limits: ModelLimits | None) -> None:
+    """Raises ConfigError if a stop token id is not in the model's vocabulary (a hub
+    model's vocabulary is not known before vLLM loads it)."""
+    for i, token in enumerate(token_ids):
+        if limits is not None and token >= limits.vocab_size:
+            raise ConfigError(
+                f"rollout.stop_token_ids[{i}]: {token} is not a token id of the model "
+                f"(vocabulary of {limits.vocab_size})"
+            )
 
 
 def _check_writable(run_dir: Path) -> None:

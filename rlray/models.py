@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlray.chat import Prompt, render_prompt
 from rlray.config import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL, ConfigError
 from rlray.episode import ModelLimits
 
@@ -39,9 +40,24 @@ TINY_RECIPE = {
     "warm_start_batch": 128,
     "warm_start_lr": 1e-3,
     "seed": 0,
+    # The tokenizer's chat template (below) is part of the model directory; it changes
+    # no weight (the warm start reads plain text), measured: model.safetensors is
+    # byte-identical with and without it.
+    "chat_template": 2,
 }
 CHARACTERS = list("0123456789+-*=() ")
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+# A minimal chat template for the character tokenizer, in what it already reads: each
+# message is its content, an assistant message's followed by <eos>; the generation
+# prompt adds nothing. So a conversation whose last message is the user's "12+34=" reads
+# as the text prompt "12+34=" does, and the embedded model answers it alike. (No space
+# between messages: the saved tokenizer loads as Qwen2's byte-level one, which drops it.)
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
 
 
 def cache_dir() -> Path:
@@ -265,7 +281,8 @@ def tiny_arithmetic_model() -> Path:
 
 
 def build_char_tokenizer():  # -> PreTrainedTokenizerFast
-    """Returns a character-level fast tokenizer (one token per character, <eos> last)."""
+    """Returns a character-level fast tokenizer (one token per character, specials
+    first) with a minimal chat template (CHAR_CHAT_TEMPLATE)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -273,9 +290,11 @@ def build_char_tokenizer():  # -> PreTrainedTokenizerFast
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
     )
+    tokenizer.chat_template = CHAR_CHAT_TEMPLATE
+    return tokenizer
 
 
 def _build_tiny_arithmetic_model(out: Path) -> None:
@@ -383,8 +402,9 @@ def _warm_start(model, tokenizer) -> None:
     model.eval()
 
 
-def prompt_token_counts(path: str, prompts: list[str]) -> list[int]:
-    """Returns each prompt's length in tokens as the model's tokenizer (vLLM's) counts it.
+def prompt_token_counts(path: str, prompts: list[Prompt]) -> list[int]:
+    """Returns each prompt's length in tokens as the model's tokenizer (vLLM's) counts it
+    (a chat prompt's rendering, rlray.chat.render_prompt: what vLLM is given).
 
     Counted in a child process: importing transformers imports torch, ~300 MB that the
     driver would otherwise hold for the whole run. (The tokenizer file alone is not
@@ -398,13 +418,13 @@ class PromptTokens:
     """How the model's tokenizer reads one prompt."""
 
     count: int
-    """Its length in tokens."""
+    """Its length in tokens (a chat prompt's: of its rendering by the chat template)."""
     read_as: str | None
     """The text the model reads if characters were lost or replaced (unknown to the
     tokenizer), else None."""
 
 
-def read_prompts(path: str, prompt_lists: list[list[str]]) -> list[list[PromptTokens]]:
+def read_prompts(path: str, prompt_lists: list[list[Prompt]]) -> list[list[PromptTokens]]:
     """Returns how the model's tokenizer reads each prompt of each list, all in one child
     process (see prompt_token_counts). Raises ConfigError as load_tokenizer does.
 
@@ -431,7 +451,7 @@ def read_prompts(path: str, prompt_lists: list[list[str]]) -> list[list[PromptTo
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
-def _readings_cache_file(path: str, prompt_lists: list[list[str]]) -> Path | None:
+def _readings_cache_file(path: str, prompt_lists: list[list[Prompt]]) -> Path | None:
     """Returns the cache file of these prompts' readings by this model's tokenizer, or
     None for a hub name (nothing local to key on)."""
     model_dir = Path(path)
@@ -454,26 +474,28 @@ def _write_atomically(target: Path, text: str) -> None:
     os.replace(out.name, target)
 
 
-def _read_prompts(path: str, prompt_lists: list[list[str]]) -> list[list[PromptTokens]]:
+def _read_prompts(path: str, prompt_lists: list[list[Prompt]]) -> list[list[PromptTokens]]:
     tokenizer = load_tokenizer(path)
-    out = []
-    for prompts in prompt_lists:
-        id_lists = tokenizer(prompts).input_ids if prompts else []
-        out.append(
-            [
-                PromptTokens(len(ids), read_as(tokenizer, prompt, ids))
-                for prompt, ids in zip(prompts, id_lists, strict=True)
-            ]
-        )
-    return out
+    return [[_reading(tokenizer, prompt, path) for prompt in prompts] for prompts in prompt_lists]
 
 
-def read_as(tokenizer, text: str, ids: list[int]) -> str | None:
+def _reading(tokenizer, prompt: Prompt, path: str) -> PromptTokens:
+    rendered = render_prompt(tokenizer, prompt, model=path)
+    ids = rendered.token_ids
+    # A rendered chat holds the template's special tokens in its text.
+    lost = read_as(tokenizer, rendered.text, ids, specials_in_text=not isinstance(prompt, str))
+    return PromptTokens(len(ids), lost)
+
+
+def read_as(tokenizer, text: str, ids: list[int], specials_in_text: bool = False) -> str | None:
     """Returns the text the model reads in `ids` if the tokenizer lost or replaced
-    characters of `text` (an unknown-token id, or a decoding that differs), else None."""
+    characters of `text` (an unknown-token id, or a decoding that differs), else None.
+    specials_in_text: `text` spells out its special tokens (a rendered chat template)."""
     shown = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
         return shown
+    if specials_in_text:
+        return None if shown == text else shown
     kept = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return None if kept == text else shown
 

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rlray.chat import RenderedPrompt, episode_columns, render_prompt
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
@@ -107,6 +108,12 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     return sequences * blocks * KV_BLOCK_TOKENS * per_token
 
 
+def stop_settings(rollout: RolloutConfig) -> dict[str, list]:
+    """Returns the SamplingParams arguments of the stop settings (rollout.stop,
+    rollout.stop_token_ids): the same for generation, evaluation and every turn."""
+    return {"stop": list(rollout.stop), "stop_token_ids": list(rollout.stop_token_ids)}
+
+
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
     """Returns the per-request vLLM seed: sampling does not depend on batch composition."""
     return (run_seed * 1_000_003 + prompt_index * 131 + sample_index) % (2**31 - 1)
@@ -164,6 +171,7 @@ class RolloutWorker:
         self.make_environment = (
             load_environment(rollout.environment) if rollout.environment else None
         )
+        self.tokenizer = self.llm.get_tokenizer()
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(_DropRotaryReloadWarning())
@@ -182,8 +190,9 @@ class RolloutWorker:
         prompts, params, keys = [], [], []
         for offset, row in enumerate(rows):
             index = first_prompt_index + offset
+            rendered = self.render(row)
             for sample in range(samples):
-                prompts.append(row.prompt)
+                prompts.append({"prompt_token_ids": rendered.token_ids})
                 params.append(
                     SamplingParams(
                         max_tokens=self.rollout.max_new_tokens,
@@ -191,9 +200,10 @@ class RolloutWorker:
                         temperature=self.rollout.temperature,
                         logprobs=0,
                         seed=sampling_seed(self.seed, index, sample),
+                        **stop_settings(self.rollout),
                     )
                 )
-                keys.append((row, index, sample))
+                keys.append((row, rendered.text, index, sample))
         started = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -202,12 +212,17 @@ class RolloutWorker:
         # by a resumed run, gets new ones, so the store never holds one id twice.
         attempt = uuid.uuid4().hex[:8]
         episodes = [
-            self._episode(row, index, sample, output, now, attempt)
-            for (row, index, sample), output in zip(keys, outputs, strict=True)
+            self._episode(row, text, index, sample, output, now, attempt)
+            for (row, text, index, sample), output in zip(keys, outputs, strict=True)
         ]
         tokens = sum(len(e.completion_token_ids) for e in episodes)
         stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
         return episodes, stats
+
+    def render(self, row: PromptRow) -> RenderedPrompt:
+        """Returns the row's prompt as the model reads it: vLLM is given its token ids,
+        so the prompt is tokenised once, as the prompt checks counted it."""
+        return render_prompt(self.tokenizer, row.prompt)
 
     def _generate_turns(
         self, rows: list[PromptRow], first_prompt_index: int
@@ -226,7 +241,14 @@ class RolloutWorker:
         return episodes, stats
 
     def _episode(
-        self, row: PromptRow, index: int, sample: int, output, now: float, attempt: str
+        self,
+        row: PromptRow,
+        prompt: str,
+        index: int,
+        sample: int,
+        output,
+        now: float,
+        attempt: str,
     ) -> Episode:
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
@@ -238,7 +260,7 @@ class RolloutWorker:
             episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
             prompt_index=index,
             sample_index=sample,
-            prompt=row.prompt,
+            prompt=prompt,
             completion=completion.text,
             prompt_token_ids=list(output.prompt_token_ids),
             completion_token_ids=token_ids,
@@ -246,7 +268,7 @@ class RolloutWorker:
             finish_reason=completion.finish_reason or "length",
             policy_version=self.policy_version,
             rollout_worker=self.name,
-            columns=dict(row.columns),
+            columns=episode_columns(row),
             generated_at=now,
         )
 
@@ -258,12 +280,17 @@ class RolloutWorker:
         if self.make_environment is not None:
             return self._evaluate_turns(rows, examples)
 
-        params = SamplingParams(max_tokens=self.rollout.max_new_tokens, temperature=0.0)
-        outputs = self.llm.generate([r.prompt for r in rows], params, use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=self.rollout.max_new_tokens, temperature=0.0, **stop_settings(self.rollout)
+        )
+        rendered = [self.render(r) for r in rows]
+        prompts = [{"prompt_token_ids": r.token_ids} for r in rendered]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        texts = [r.text for r in rendered]
         completions = [o.outputs[0].text for o in outputs]
         answers = [str(r.columns["answer"]) for r in rows]
-        scores = exact_match([r.prompt for r in rows], completions, answer=answers)
-        shown = list(zip([r.prompt for r in rows], completions, answers, strict=True))[:examples]
+        scores = exact_match(texts, completions, answer=answers)
+        shown = list(zip(texts, completions, answers, strict=True))[:examples]
         return EvalResult(sum(scores) / len(scores), self.policy_version, shown)
 
     def _evaluate_turns(self, rows: list[PromptRow], examples: int) -> EvalResult:

@@ -65,6 +65,8 @@ def corrupt(tiny_model: Path, tmp_path: Path, how: str) -> str:
     elif how == "no-vocab":
         del config["vocab_size"]
         (model / "config.json").write_text(json.dumps(config))
+    elif how == "no-chat-template":
+        (model / "chat_template.jinja").unlink()
     elif how == "missing-shard":
         index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
         (model / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -115,6 +117,15 @@ BAD_INPUTS = {
         "data.train: prompt 'abc' is no tokens to the model's tokenizer",
     ),
     "not-utf8": (["--data.train", "LATIN1"], "latin1.jsonl:1: not UTF-8 text (byte 0xe9 at column"),
+    "chat-unknown-role": (
+        ["--data.train", "BAD_CHAT"],
+        "bad_chat.jsonl:2: 'prompt' message 0 has role 'robot'; known: system, user,",
+    ),
+    "chat-without-template": (
+        ["--model", "MODEL(no-chat-template)", "--data.train", "CHAT"],
+        "/model's tokenizer has no chat template, so it cannot read prompts given as chat "
+        "messages (e.g. 'user: 1+1=')",
+    ),
     "run-dir-under-a-file": (["--run-dir", "FILE/run"], "run_dir: cannot create "),
     "run-dir-is-a-file": (["--run-dir", "FILE"], "run_dir: cannot create "),
     "seed-too-large": (["--seed", "4294967296"], "seed must be <= "),
@@ -134,6 +145,15 @@ def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
         "UNTOKENIZABLE": lambda: jsonl(tmp_path / "abc.jsonl", {"prompt": "abc", "answer": "1"}),
         "LATIN1": lambda: _write(
             tmp_path / "latin1.jsonl", b'{"prompt": "caf\xe9", "answer": "1"}\n'
+        ),
+        "CHAT": lambda: jsonl(
+            tmp_path / "chat.jsonl",
+            {"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+        ),
+        "BAD_CHAT": lambda: jsonl(
+            tmp_path / "bad_chat.jsonl",
+            {"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+            {"prompt": [{"role": "robot", "content": "1+1="}], "answer": "2"},
         ),
         "FILE": lambda: _write(tmp_path / "file", b"x"),
         "FILE/run": lambda: _write(tmp_path / "file", b"x") + "/run",

@@ -18,6 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlray.chat import accepts_chat
 from rlray.sandbox import SandboxLimits, run_python
 
 # A fenced block, any language (so that a ```bash block's closing fence is not taken for
@@ -54,6 +55,7 @@ def _run(code, tests, marker, exec=exec, compile=compile, range=range, len=len,
 """
 
 
+@accepts_chat
 def code_tests(
     prompts: list[str],
     completions: list[str],

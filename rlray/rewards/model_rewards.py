@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rlray.chat import as_texts
+
 SCORE_KINDS = ("logit", "probability")
 
 
@@ -55,7 +57,9 @@ class EmbeddingSimilarity:
         self, prompts: list[str], completions: list[str], reference: list[Any], **_: Any
     ) -> list[float | None]:
         """Returns each completion's best cosine similarity to its reference(s), or None
-        where the reference is None (or an empty list)."""
+        where the reference is None (or an empty list). Chat-shaped completions are read
+        as text (rlray.chat.as_texts)."""
+        prompts, completions = as_texts(prompts, completions)
         scores: list[float | None] = []
         for start in range(0, len(completions), self.batch_size):
             end = start + self.batch_size
@@ -135,7 +139,9 @@ class ClassifierReward:
         )
 
     def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        """Returns the chosen label's logit or probability for each completion."""
+        """Returns the chosen label's logit or probability for each completion (chat-shaped
+        prompts and completions read as text: rlray.chat.as_texts)."""
+        prompts, completions = as_texts(prompts, completions)
         scores: list[float] = []
         for start in range(0, len(completions), self.batch_size):
             end = start + self.batch_size

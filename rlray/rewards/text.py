@@ -4,7 +4,9 @@ Each scores a batch the way TRL's GRPOTrainer expects,
 `f(prompts, completions, **columns_and_options) -> list[float | None]`: dataset columns
 (`answer`, `reference`) arrive as lists aligned with the prompts, the config's fixed options
 as keyword arguments, and unknown keyword arguments are ignored. An episode that cannot be
-scored (its `answer` or `reference` is None) gets None.
+scored (its `answer` or `reference` is None) gets None. Prompts and completions may come
+as text or in TRL's conversational shape (messages; a completion is read as its last
+message's content: rlray.chat.accepts_chat).
 
 Answer match, against an `answer` column:
     exact_match         1.0 when the stripped completion equals the answer
@@ -40,6 +42,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
+
+from rlray.chat import accepts_chat
 
 _CJK = (
     r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # Han
@@ -83,6 +87,7 @@ NEGATIVE_WORDS = frozenset(
 )
 
 
+@accepts_chat
 def exact_match(
     prompts: list[str], completions: list[str], answer: list[Any], **_: Any
 ) -> list[float | None]:
@@ -91,6 +96,7 @@ def exact_match(
     return _score_against(completions, answer, lambda c, a: float(c.strip() == str(a).strip()))
 
 
+@accepts_chat
 def normalized_match(
     prompts: list[str], completions: list[str], answer: list[Any], **_: Any
 ) -> list[float | None]:
@@ -101,6 +107,7 @@ def normalized_match(
     )
 
 
+@accepts_chat
 def numeric_match(
     prompts: list[str],
     completions: list[str],
@@ -141,6 +148,7 @@ def extract_number(text: str) -> float | None:
     return _number_value(matches[-1]) if matches else None
 
 
+@accepts_chat
 def regex_match(
     prompts: list[str], completions: list[str], *, pattern: str, full: bool = False, **_: Any
 ) -> list[float | None]:
@@ -151,6 +159,7 @@ def regex_match(
     return [float(matches(c) is not None) for c in completions]
 
 
+@accepts_chat
 def length_reward(
     prompts: list[str], completions: list[str], *, target: int, unit: str = "chars", **_: Any
 ) -> list[float | None]:
@@ -164,6 +173,7 @@ def length_reward(
     return [max(0.0, 1.0 - abs(measure(c) - target) / target) for c in completions]
 
 
+@accepts_chat
 def overlong_penalty(
     prompts: list[str],
     completions: list[str],
@@ -187,6 +197,7 @@ def overlong_penalty(
     return [_soft_overlong(measure(c), max_length, soft_margin) for c in completions]
 
 
+@accepts_chat
 def repetition_penalty(
     prompts: list[str], completions: list[str], *, n: int = 3, **_: Any
 ) -> list[float | None]:
@@ -200,6 +211,7 @@ def repetition_penalty(
     return scores
 
 
+@accepts_chat
 def distinct_n(
     prompts: list[str], completions: list[str], *, n: int = 2, **_: Any
 ) -> list[float | None]:
@@ -213,6 +225,7 @@ def distinct_n(
     return scores
 
 
+@accepts_chat
 def script_diversity(
     prompts: list[str], completions: list[str], *, mode: str = "non_ascii", **_: Any
 ) -> list[float | None]:
@@ -233,6 +246,7 @@ def script_diversity(
     return scores
 
 
+@accepts_chat
 def lexicon_sentiment(
     prompts: list[str],
     completions: list[str],
@@ -258,6 +272,7 @@ def lexicon_sentiment(
     return scores
 
 
+@accepts_chat
 def bleu(
     prompts: list[str],
     completions: list[str],
@@ -276,6 +291,7 @@ def bleu(
     return _score_against_references(completions, reference, metric.sentence_score)
 
 
+@accepts_chat
 def chrf(
     prompts: list[str], completions: list[str], reference: list[Any], **_: Any
 ) -> list[float | None]:

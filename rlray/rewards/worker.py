@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlray.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.config import RewardSpec
 from rlray.episode import Episode
 from rlray.groups import group_key, split_uniform_groups
@@ -143,14 +144,17 @@ class RewardWorker:
 
 
 def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
-    """Returns a reward call's arguments: prompts, completions and every data column,
-    plus `spans`, each episode's trace (the reward process passes on the columns the
-    reward takes)."""
-    names = dict.fromkeys(key for e in episodes for key in e.columns)
+    """Returns a reward call's arguments: prompts and completions (TRL's shape: a chat
+    prompt's messages, and its completion as [{"role": "assistant", "content": text}]),
+    every data column, plus `spans`, each episode's trace (the reward process passes on
+    the columns the reward takes)."""
+    prompts, completions = reward_inputs(episodes)
+    # A chat prompt's messages arrive as its prompt, as in TRL, not as a column too.
+    names = dict.fromkeys(key for e in episodes for key in e.columns if key != MESSAGES_COLUMN)
     columns = {key: [e.columns.get(key) for e in episodes] for key in names}
     return {
-        "prompts": [e.prompt for e in episodes],
-        "completions": [e.completion for e in episodes],
+        "prompts": prompts,
+        "completions": completions,
         "columns": {**columns, TRACE_COLUMN: [e.spans for e in episodes]},
     }
 
