@@ -35,7 +35,7 @@ MESSAGES_COLUMN = "prompt_messages"
 def message_list_problem(value: Any) -> str | None:
     """Returns what is wrong with `value` as a list of chat messages, or None if it is
     one: a non-empty list of {"role": ..., "content": ...} objects of strings, each role
-    one of ROLES."""
+    one of ROLES, the last not the assistant's."""
     if not isinstance(value, list):
         return f"must be a string or a list of messages, got {type(value).__name__}"
     if not value:
@@ -49,6 +49,10 @@ def message_list_problem(value: Any) -> str | None:
             return f"message {i}: role and content must be strings"
         if message["role"] not in ROLES:
             return f"message {i} has role {message['role']!r}; known: {', '.join(ROLES)}"
+    if value[-1]["role"] == "assistant":
+        # TRL continues such a reply (continue_final_message); a generation prompt after
+        # it would start a new one instead, so it is refused rather than misread.
+        return "ends with an assistant message; a prefilled reply is not continued"
     return None
 
 

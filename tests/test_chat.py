@@ -61,6 +61,23 @@ def test_system_and_assistant_messages_render_by_the_template(tokenizer):
     )
 
 
+def test_a_template_that_writes_the_bos_token_gets_no_second_one():
+    from tokenizers.processors import TemplateProcessing
+
+    with_bos = build_char_tokenizer()  # a tokenizer that adds a BOS (<pad> here) to text
+    with_bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<pad> $A", special_tokens=[("<pad>", 0)]
+    )
+    with_bos.bos_token = "<pad>"
+    with_bos.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    text, chat = (
+        render_prompt(with_bos, "1+2="),
+        render_prompt(with_bos, [USER[0] | {"content": "1+2="}]),
+    )
+    assert chat.text == "<pad>1+2="
+    assert chat.token_ids == text.token_ids == [0, *build_char_tokenizer()("1+2=").input_ids]
+
+
 def test_messages_without_a_chat_template_are_a_config_error(tokenizer):
     bare = build_char_tokenizer()
     bare.chat_template = None
@@ -95,6 +112,10 @@ BAD_MESSAGES = {
     "unknown-role": (
         [{"role": "user", "content": "1"}, {"role": "robot", "content": "x"}],
         "message 1 has role 'robot'; known: system, user, assistant, tool",
+    ),
+    "prefilled-reply": (
+        [*USER, {"role": "assistant", "content": "4"}],
+        "ends with an assistant message; a prefilled reply is not continued",
     ),
 }
 
