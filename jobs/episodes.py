@@ -3,6 +3,7 @@
 python jobs/episodes.py runs/exp1/episodes
 python jobs/episodes.py s3://bucket/prefix --endpoint-url http://127.0.0.1:9000
 python jobs/episodes.py runs/exp1/episodes --json     # machine-readable
+python jobs/episodes.py runs/exp1/episodes --episode ID   # one episode, turn by turn
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import json
 import sys
 from pathlib import Path
 
+import pyarrow.compute as pc
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.episodes import read, summarize
+from rlray.episode import from_table
+from rlray.episodes import format_trace, read, summarize
 
 
 def main(argv: list[str]) -> int:
@@ -23,14 +27,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", action="append", help="only this run id (repeatable)")
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint (e.g. MinIO)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--episode", help="show this episode's trace, turn by turn")
     args = parser.parse_args(argv)
     try:
         table = read(args.source, runs=args.run, endpoint_url=args.endpoint_url)
     except (FileNotFoundError, OSError) as err:
         print(f"episodes.py: error: {err}", file=sys.stderr)
         return 2
+    if args.episode:
+        return show_episode(table, args.episode)
     summary = summarize(table)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def show_episode(table, episode_id: str) -> int:
+    """Prints one episode's trace; returns the exit code (2 if there is no such episode)."""
+    rows = table.filter(pc.equal(table["episode_id"], episode_id))
+    if rows.num_rows == 0:
+        print(f"episodes.py: error: no episode {episode_id!r} in the store", file=sys.stderr)
+        return 2
+    print(format_trace(from_table(rows)[0]))
     return 0
 
 

@@ -5,8 +5,8 @@ turn that is a parenthesised expression, `(12*34)`, calls the calculator; the
 environment answers with the result and `=` (`408=`), and the model's next turn is its
 answer. A turn without a call is the final answer, and it earns reward 1 if it is the
 product. (The embedded tokenizer has only digits, `+-*=()` and space, so the tool-call
-format is built from those; models with a chat template use rlray.environments' tagged
-calls.)
+format is built from those; models with a chat template use
+rlray.environments.ToolEnvironment's <tool_call> blocks.)
 
 The tiny calculator model is the embedded architecture warm-started on this format
 (cached like the embedded model): it answers directly most of the time, mostly wrong,
@@ -26,20 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlray.data import PromptRow
+from rlray.environments import StepResult
 from rlray.episode import Span
 
 TOOL_CALL = re.compile(r"^\(([0-9]{1,3})([*+\-])([0-9]{1,3})\)$")
 """A calculator call: one operation on two numbers of at most three digits."""
 
 CALCULATOR_RECIPE = {
-    "recipe": 1,
+    "recipe": 2,  # 2: the character tokenizer's chat template
     "hidden_size": 128,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "max_position_embeddings": 64,
     "tool_share": 0.1,
-    "warm_start_steps": 600,
+    "warm_start_steps": 300,
     "warm_start_batch": 128,
     "warm_start_lr": 1e-3,
     "seed": 0,
@@ -91,13 +92,6 @@ def calculate(call: str) -> int | None:
 
 
 @dataclass
-class StepResult:
-    observation: str
-    reward: float | None
-    done: bool
-
-
-@dataclass
 class CalculatorEnvironment:
     """One trajectory of the task: calculator calls answered, the final answer scored."""
 
@@ -129,8 +123,9 @@ class CalculatorEnvironment:
                 error=error,
             )
         )
-        # A malformed call gets '=' alone: the model answers without a result.
-        return StepResult(f"{'' if value is None else value}=", None, False)
+        # A malformed call gets '=' alone: the model answers without a result. A call
+        # earns 0, so that an episode cut off by the turn limit has a reward too.
+        return StepResult(f"{'' if value is None else value}=", 0.0, False)
 
     def take_spans(self) -> list[Span]:
         """Returns the spans recorded since the last call (the rollout collects them)."""

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from rlray.episode import EPISODE_SCHEMA
+from rlray.episode import EPISODE_SCHEMA, Episode, Span
 
 
 def read(
@@ -81,3 +81,32 @@ def summarize(table: pa.Table) -> dict[str, Any]:
         "finish_reasons": dict(Counter(row["finish_reason"] for row in rows).most_common()),
         "reward_failures": dict(failures.most_common()),
     }
+
+
+def format_trace(episode: Episode) -> str:
+    """Returns an episode's trace turn by turn: its prompt, then each span (model turns,
+    tool calls with arguments, result or error and latency, rewards), then its reward."""
+    lines = [
+        f"episode {episode.episode_id} (run {episode.run_id}, policy v{episode.policy_version}, "
+        f"finish {episode.finish_reason}, reward {episode.reward})",
+        f"prompt: {episode.prompt!r}",
+    ]
+    for span in episode.spans:
+        lines.append("  " + _span_line(span))
+    policy = sum(episode.completion_mask) if episode.completion_mask else None
+    tokens = len(episode.completion_token_ids)
+    if policy is not None:
+        lines.append(
+            f"completion: {tokens} tokens ({policy} the policy's, {tokens - policy} appended)"
+        )
+    return "\n".join(lines)
+
+
+def _span_line(span: Span) -> str:
+    took = f"{span.ended_at - span.started_at:6.3f} s" if span.ended_at is not None else " " * 8
+    if span.kind == "model_call":
+        return f"model_call {took}  {span.output!r}"
+    if span.kind == "tool_call":
+        outcome = f"error: {span.error}" if span.error is not None else repr(span.result)
+        return f"tool_call  {took}  {span.name} {span.arguments} -> {outcome}"
+    return f"reward     {span.source}: {span.value}"

@@ -45,6 +45,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "embedding_similarity": "rlray.rewards.model_rewards:EmbeddingSimilarity",
     "classifier_reward": "rlray.rewards.model_rewards:ClassifierReward",
     "environment_reward": "rlray.rewards.trace:environment_reward",
+    "tool_success": "rlray.environments:tool_success",
 }
 
 
