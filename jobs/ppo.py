@@ -32,9 +32,16 @@ from rlray.actors import (
     start_actors,
     start_ingest,
 )
-from rlray.checkpoints import checkpoint_version, latest_checkpoint
+from rlray.checkpoints import BestCheckpoint, checkpoint_version, latest_checkpoint
 from rlray.config import ConfigError, config_to_dict, parse_command_line, validate
-from rlray.driver import MetricsLog, RunPlan, TrainingDriver, plan_run, write_config
+from rlray.driver import (
+    Evaluation,
+    MetricsLog,
+    RunPlan,
+    TrainingDriver,
+    plan_run,
+    write_config,
+)
 from rlray.memory import MemoryMonitor, gib
 from rlray.progress import Progress
 from rlray.report import write_report
@@ -134,15 +141,32 @@ def report(plan: RunPlan, summary: dict, trackers: Trackers) -> None:
     trackers.close()
     picture = write_report(plan.run_dir)
     print(
-        f"done: {summary['steps']} steps, held-out accuracy "
-        f"{summary['initial_eval_accuracy']:.3f} -> {summary['final_eval_accuracy']:.3f}, "
+        f"done: {summary['steps']} steps, {held_out_change(summary)}, "
         f"{summary['episodes_per_second']:.1f} episodes/s, {summary['wall_seconds']:.0f} s"
     )
+    if best := summary["best_eval"]:
+        where = best["checkpoint"] or f"the base model, {best['model']}"
+        print(f"best: {best['metric']} {best['value']:.3f} at step {best['step']} ({where})")
     print(f"time: {describe_totals(summary['phase_seconds'])}")
     if summary["memory_peak_gib"] is not None:
         print(f"memory: peak {summary['memory_peak_gib']:.2f} GiB (PSS of the run's processes)")
     print(f"report: {picture}")
     print(f"run directory: {plan.run_dir}")
+
+
+def held_out_change(summary: dict) -> str:
+    """Returns how held-out exact match (or, without answers, the first eval metric)
+    went from the first evaluation to the last."""
+    if summary["initial_eval_accuracy"] is not None:
+        first, last, name = (
+            summary["initial_eval_accuracy"],
+            summary["final_eval_accuracy"],
+            "accuracy",
+        )
+    else:
+        name = next(iter(summary["initial_eval"]))
+        first, last = summary["initial_eval"][name], summary["final_eval"][name]
+    return f"held-out {name} {first:.3f} -> {last:.3f}"
 
 
 def open_trackers(plan: RunPlan) -> Trackers:
@@ -186,6 +210,8 @@ def train(plan: RunPlan, driver: TrainingDriver, memory: MemoryMonitor, log: Met
     # Rollout workers start from the base model: give them the learner's weights (the
     # checkpoint's, in a resumed run) before anything is generated.
     driver.sync_weights()
+    metric = config.eval.best_metric
+    best = BestCheckpoint(plan.run_dir, metric, before_step=first_step)
     if driver.learner_version == 0:
         initial = driver.evaluate()
         elapsed = time.perf_counter() - started
@@ -193,13 +219,13 @@ def train(plan: RunPlan, driver: TrainingDriver, memory: MemoryMonitor, log: Met
             {
                 "step": 0,
                 "policy_version": 0,
-                "eval_accuracy": initial.accuracy,
+                **initial.record(),
                 "elapsed_seconds": elapsed,
                 "phase_seconds": driver.clock.lap(),
                 "memory_gib": gib(memory.sample()),
             }
         )
-        progress.evaluated(0, initial)
+        report_evaluation(progress, best, 0, initial, None, plan.model_path)
     episodes = 0
     for step in range(first_step, steps + 1):
         record = driver.train_step()
@@ -207,22 +233,31 @@ def train(plan: RunPlan, driver: TrainingDriver, memory: MemoryMonitor, log: Met
         last = step == steps
         if step % config.learner.sync_every == 0 or last:
             record.update(driver.sync_weights())
+        evaluation = None
         if step % config.learner.eval_every == 0 or last:
-            result = driver.evaluate()
-            record.update(eval_accuracy=result.accuracy, eval_policy_version=result.policy_version)
-            progress.evaluated(step, result)
-        if step % config.learner.checkpoint_every == 0 or last:
+            evaluation = driver.evaluate()
+            record.update(evaluation.record())
+        # The best evaluation's policy is kept: checkpointed now if it would not be.
+        better = evaluation is not None and best.improves(record["eval"])
+        if step % config.learner.checkpoint_every == 0 or last or better:
             record["checkpoint"] = str(driver.save_checkpoint())
+        if evaluation is not None:
+            report_evaluation(
+                progress, best, step, evaluation, record.get("checkpoint"), plan.model_path
+            )
         record["elapsed_seconds"] = time.perf_counter() - started
         record["phase_seconds"] = driver.clock.lap()
         record["memory_gib"] = gib(memory.last_bytes)
         log.write(record)
         progress.stepped(record)
     wall = time.perf_counter() - started
-    evals = [r["eval_accuracy"] for r in log.read() if r.get("eval_accuracy") is not None]
+    evals = [r for r in log.read() if "eval" in r]
     return {
-        "initial_eval_accuracy": evals[0],
-        "final_eval_accuracy": evals[-1],
+        "initial_eval_accuracy": evals[0]["eval_accuracy"],
+        "final_eval_accuracy": evals[-1]["eval_accuracy"],
+        "initial_eval": evals[0]["eval"],
+        "final_eval": evals[-1]["eval"],
+        "best_eval": best.best,
         "steps": steps,
         "first_step_this_run": first_step,
         "episodes": episodes,
@@ -232,6 +267,24 @@ def train(plan: RunPlan, driver: TrainingDriver, memory: MemoryMonitor, log: Met
         "memory_peak_gib": gib(memory.peak_bytes),
         "run_dir": str(plan.run_dir),
     }
+
+
+def report_evaluation(
+    progress: Progress,
+    best: BestCheckpoint,
+    step: int,
+    evaluation: Evaluation,
+    checkpoint: str | None,
+    model: str,
+) -> None:
+    """Prints an evaluation and records it in best.json if it is the best so far."""
+    metrics = evaluation.summary.metrics
+    shown = best.metric or next(iter(metrics))
+    progress.evaluated(
+        step, evaluation.result, (shown, metrics[shown].value, metrics[shown].stderr)
+    )
+    if best.improves({name: m.value for name, m in metrics.items()}):
+        best.record(step, metrics[shown].value, metrics[shown].stderr, checkpoint, model)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from rlray.checkpoints import checkpoint_version
 from rlray.config import Config, IngestConfig, StoreConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode, ModelLimits
+from rlray.evaluation import EvalEpisodes
 from rlray.ingest import EXTERNAL_POLICY_VERSION, IngestService, make_app
 from rlray.models import load_tokenizer, model_limits, read_as
 from rlray.placement import Placement, role_resources
@@ -184,11 +185,14 @@ class RolloutActor(RolloutWorker):
         self.telemetry.add("rlray_episodes_generated", stats.episodes)
         return episodes, stats
 
-    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+    def eval_episodes(
+        self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
+    ) -> tuple[EvalEpisodes, EvalResult]:
         self._check_weights()
-        result = super().evaluate(rows, examples)
-        self.telemetry.set("rlray_eval_accuracy", result.accuracy)
-        return result
+        episodes, result = super().eval_episodes(rows, samples, temperature, examples)
+        if result.accuracy is not None:
+            self.telemetry.set("rlray_eval_accuracy", result.accuracy)
+        return episodes, result
 
     def load_published(self, published: tuple[int, PackedWeights]) -> tuple[int, float]:
         """Loads a published (version, weights) pair in place; returns the version now
@@ -492,7 +496,14 @@ def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) 
     return (
         ray.remote(RewardActor)
         .options(name=name, max_restarts=config.ray.max_actor_restarts, **options)
-        .remote(run_id, name, reward.functions, reward.on_failure, reward.batch_size)
+        .remote(
+            run_id,
+            name,
+            reward.functions,
+            reward.on_failure,
+            reward.batch_size,
+            eval_specs=config.eval.rewards,
+        )
     )
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 LATEST = "latest"
+BEST = "best.json"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -21,3 +23,45 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def checkpoint_version(checkpoint: str | Path) -> int:
     """Returns the policy version saved in a checkpoint directory."""
     return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
+
+
+class BestCheckpoint:
+    """The run's best evaluation by one metric, in checkpoints/best.json: its step, the
+    metric's value and standard error, and the checkpoint of that step (None for step 0,
+    the base model, whose path `model` names).
+
+    Higher is better (every metric is a reward's); of equal values the first is kept, as
+    rlray.evaluation.best_checkpoint chooses. A resumed run continues the record of the
+    steps it kept."""
+
+    def __init__(self, run_dir: str | Path, metric: str, before_step: int):
+        self.metric = metric
+        self.path = Path(run_dir) / "checkpoints" / BEST
+        self.best: dict[str, Any] | None = None
+        if metric and self.path.is_file():
+            kept = json.loads(self.path.read_text())
+            if kept.get("metric") == metric and kept["step"] < before_step:
+                self.best = kept
+
+    def improves(self, metrics: dict[str, Any]) -> bool:
+        """Returns True if an evaluation's metrics (name: value) beat the best so far."""
+        if not self.metric:
+            return False
+        return self.best is None or metrics[self.metric] > self.best["value"]
+
+    def record(
+        self, step: int, value: float, stderr: float, checkpoint: str | None, model: str
+    ) -> None:
+        """Makes this evaluation the best and writes best.json (atomically)."""
+        self.best = {
+            "metric": self.metric,
+            "step": step,
+            "value": value,
+            "stderr": stderr,
+            "checkpoint": checkpoint,
+            "model": model,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_suffix(".tmp")
+        staging.write_text(json.dumps(self.best, indent=2))
+        staging.rename(self.path)

@@ -29,6 +29,8 @@ import jsonargparse
 import yaml
 from jsonargparse import Namespace
 
+from rlray.evaluation import metric_names
+
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_DATA = "builtin:arithmetic"
 # The multi-turn calculator task (rlray.calculator; examples/calculator.yaml).
@@ -311,6 +313,31 @@ class LearnerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation, scored by the run's reward functions.
+
+    At step 0, every learner.eval_every steps and at the end, each data.eval prompt's
+    greedy completion and eval.samples sampled ones are scored by reward.functions (or
+    eval.rewards); jobs/eval.py compares models the same way."""
+
+    samples: int = 0
+    """Sampled completions per held-out prompt besides the greedy one, at
+    eval.temperature: the n of pass@k and mean@k (0: the greedy completion only)."""
+    temperature: float = 1.0
+    """Sampling temperature of those completions."""
+    pass_k: list[int] = field(default_factory=lambda: [1])
+    """The k of pass@k, each at most eval.samples (unused when samples is 0)."""
+    pass_threshold: float = 1.0
+    """Score at or above which a completion passes (greedy accuracy and pass@k)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward components to evaluate with, as reward.functions; empty: reward.functions."""
+    best_metric: str = "reward/greedy_accuracy"
+    """The metric that picks the best checkpoint (checkpoints/best.json): "reward" (the
+    weighted total) or a component's name, then /greedy_accuracy, /mean or /pass@K;
+    empty: no best checkpoint is kept."""
+
+
+@dataclass
 class StoreConfig:
     """The episode store: every scored episode as Parquet, local or on S3."""
 
@@ -401,6 +428,7 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -742,6 +770,7 @@ def validate(config: Config) -> None:
         raise ConfigError("reward.functions must name at least one reward")
     for i, spec in enumerate(config.reward.functions):
         _check_reward_spec(f"reward.functions[{i}]", spec)
+    _check_eval(config)
 
 
 def _float_fields(value: Any, kind: Any, name: str = "") -> Iterator[tuple[str, float]]:
@@ -848,3 +877,30 @@ def _check_reward_spec(name: str, spec: RewardSpec) -> None:
     steps = [point[0] for point in spec.schedule]
     if steps != sorted(steps) or len(set(steps)) != len(steps) or any(s < 0 for s in steps):
         raise ConfigError(f"{name}.schedule: steps must be >= 0 and increasing, got {steps}")
+
+
+def eval_rewards(config: Config) -> list[RewardSpec]:
+    """Returns the reward components held-out evaluation scores with."""
+    return config.eval.rewards or config.reward.functions
+
+
+def _check_eval(config: Config) -> None:
+    e = config.eval
+    if e.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0, got {e.samples}")
+    if e.samples and not e.temperature > 0:
+        raise ConfigError(f"eval.temperature must be > 0 with eval.samples, got {e.temperature}")
+    for i, k in enumerate(e.pass_k if e.samples else []):
+        if not 1 <= k <= e.samples:
+            raise ConfigError(
+                f"eval.pass_k[{i}] must be in [1, eval.samples = {e.samples}], got {k}"
+            )
+    for i, spec in enumerate(e.rewards):
+        _check_reward_spec(f"eval.rewards[{i}]", spec)
+    names = [spec.name for spec in eval_rewards(config)]
+    known = metric_names(names, e.samples, e.pass_k)
+    if e.best_metric and e.best_metric not in known:
+        raise ConfigError(
+            f"eval.best_metric: no metric {e.best_metric!r}{_did_you_mean(e.best_metric, known)}; "
+            f"with these settings there are {', '.join(known)}"
+        )

@@ -24,7 +24,7 @@ import yaml
 from rlray.actors import ActorFailure, Actors, wait_for
 from rlray.buffer import BufferedBatch
 from rlray.checkpoints import latest_checkpoint
-from rlray.config import Config, ConfigError, config_to_dict
+from rlray.config import Config, ConfigError, EvalConfig, config_to_dict, eval_rewards
 from rlray.data import (
     PromptRow,
     PromptSource,
@@ -34,6 +34,7 @@ from rlray.data import (
     train_prompts,
 )
 from rlray.episode import ModelLimits
+from rlray.evaluation import EvalSample, EvalSummary, fully_scored, summarize
 from rlray.models import model_limits, read_prompts, resolve_model_path
 from rlray.multiturn import load_environment
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
@@ -81,7 +82,9 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     prompts = train_prompts(config.data, config.seed)
     held_out = eval_rows(config.data)
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
+    config.eval.rewards = [absolute_spec_path(s, Path.cwd()) for s in config.eval.rewards]
     check_rewards(config.reward.functions, {*prompts.row(0).columns, TRACE_COLUMN})
+    check_eval_rows(config, held_out)
     if config.rollout.environment:
         load_environment(config.rollout.environment)
     model_path = resolve_model_path(config.model.path)
@@ -98,6 +101,18 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
             logger.warning("warning: %s", warning)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def check_eval_rows(config: Config, rows: list[PromptRow]) -> None:
+    """Raises ConfigError unless there are at least 2 held-out prompts (a standard error
+    needs 2) and the eval rewards can score them (the columns they need)."""
+    if len(rows) < 2:
+        raise ConfigError(
+            f"data.eval: {len(rows)} held-out prompt(s); an evaluation needs at least 2"
+        )
+    field = "eval.rewards" if config.eval.rewards else "reward.functions"
+    columns = set.intersection(*(set(r.columns) for r in rows))
+    check_rewards(eval_rewards(config), {*columns, TRACE_COLUMN}, field, "data.eval")
 
 
 def _check_stop_token_ids(token_ids: list[int], limits: ModelLimits | None) -> None:
@@ -129,6 +144,55 @@ def write_config(plan: RunPlan) -> None:
     target = plan.run_dir / "config.yaml"
     if plan.checkpoint is None or not target.exists():
         target.write_text(yaml.safe_dump(config_to_dict(plan.config), sort_keys=False))
+
+
+@dataclass
+class Evaluation:
+    """One held-out evaluation: exact match and the metrics of the eval rewards."""
+
+    result: EvalResult
+    """Greedy exact-match accuracy (None without answers), version, examples."""
+    summary: EvalSummary
+    """Every metric (rlray.evaluation.summarize) with its standard error."""
+    prompts_left_out: int
+    """Held-out prompts left out because a reward failed on one of their completions."""
+
+    def record(self) -> dict[str, Any]:
+        """Returns the evaluation's fields of a metrics.jsonl line."""
+        metrics = self.summary.metrics
+        return {
+            "eval_accuracy": self.result.accuracy,
+            "eval_policy_version": self.result.policy_version,
+            "eval": {name: m.value for name, m in metrics.items()},
+            "eval_stderr": {name: m.stderr for name, m in metrics.items()},
+            "eval_prompts_left_out": self.prompts_left_out,
+        }
+
+
+def summarize_evaluation(
+    model: str, result: EvalResult, samples: list[EvalSample], settings: EvalConfig
+) -> Evaluation:
+    """Returns the evaluation of `model` from its exact-match result and its scored
+    held-out completions. Prompts a reward failed on are left out (and logged); raises
+    ActorFailure if fewer than 2 prompts are left to evaluate on."""
+    kept, left_out = fully_scored(samples)
+    prompts = len({s.prompt_id for s in samples})
+    if left_out:
+        logger.warning(
+            "evaluation of %s: %d of %d held-out prompts left out: a reward failed on one "
+            "of their completions",
+            model,
+            len(left_out),
+            prompts,
+        )
+    if prompts - len(left_out) < 2:
+        raise ActorFailure(
+            f"evaluation of {model}: rewards failed on {len(left_out)} of {prompts} "
+            "held-out prompts; fewer than 2 are left to evaluate on"
+        )
+    ks = settings.pass_k if settings.samples else []
+    summary = summarize(model, kept, ks, settings.pass_threshold)
+    return Evaluation(result, summary, len(left_out))
 
 
 @dataclass
@@ -550,15 +614,28 @@ class TrainingDriver:
         episodes, _ = worker.generate.options(num_returns=2).remote(rows, -len(rows))
         self.parity_probe = self.actors.learner.check_parity.remote(episodes)
 
-    def evaluate(self) -> EvalResult:
-        """Returns greedy held-out accuracy, measured on rollout-0 at its current version."""
-        rollout = self.actors.rollout[0]
-        with self.clock.phase("evaluation"):
-            return self._retrying(
-                self.actors.rollout_names[0],
-                lambda: rollout.evaluate.remote(self.plan.eval_rows),
-                "evaluate",
+    def evaluate(self) -> Evaluation:
+        """Returns the held-out evaluation of the current policy: rollout-0 generates
+        (greedy and eval.samples sampled completions per prompt), reward-0 scores, and
+        only the scores come back here."""
+        rollout, reward = self.actors.rollout[0], self.actors.reward[0]
+        settings = self.config.eval
+        made: dict[str, Any] = {}
+
+        def generate() -> Any:
+            made["episodes"], result = rollout.eval_episodes.options(num_returns=2).remote(
+                self.plan.eval_rows, settings.samples, settings.temperature
             )
+            return result
+
+        with self.clock.phase("evaluation"):
+            result = self._retrying(self.actors.rollout_names[0], generate, "evaluate")
+            samples = self._retrying(
+                self.actors.reward_names[0],
+                lambda: reward.evaluate.remote(made["episodes"], self.learner_version),
+                "score evaluation",
+            )
+        return summarize_evaluation(f"step {self.learner_version}", result, samples, settings)
 
     def save_checkpoint(self) -> Path:
         """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,

@@ -37,12 +37,21 @@ class Progress:
         self.accuracy: float | None = None
         self._open_line = False
 
-    def evaluated(self, step: int, result: EvalResult) -> None:
-        self.accuracy = result.accuracy
+    def evaluated(
+        self, step: int, result: EvalResult, metric: tuple[str, float, float] | None = None
+    ) -> None:
+        """Prints an evaluation: exact-match accuracy (if the rows have answers), the
+        chosen metric as (name, value, standard error) if given, and a few examples."""
+        parts = [f"eval  step {step:>4}"]
+        if result.accuracy is not None:
+            parts.append(f"held-out accuracy {result.accuracy:.3f}")
+        if metric is not None:
+            name, value, stderr = metric
+            parts.append(f"{name} {value:.3f} ± {stderr:.3f}")
+        accuracy = result.accuracy if result.accuracy is not None else metric and metric[1]
+        self.accuracy = accuracy
         example = "; ".join(f"{p}{c!r} (want {a})" for p, c, a in result.examples)
-        self._print_line(
-            f"eval  step {step:>4}  held-out accuracy {result.accuracy:.3f}  e.g. {example}"
-        )
+        self._print_line("  ".join([*parts, f"e.g. {example}"]))
 
     def stepped(self, record: dict[str, Any]) -> None:
         step = record["step"]

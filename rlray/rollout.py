@@ -16,6 +16,7 @@ from rlray.chat import RenderedPrompt, episode_columns, render_prompt
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.data import PromptRow
 from rlray.episode import Episode
+from rlray.evaluation import EvalEpisodes
 from rlray.models import resolve_model_path
 from rlray.multiturn import (
     environment_reward,
@@ -61,9 +62,20 @@ class GenerateStats:
 class EvalResult:
     """Greedy exact-match accuracy on held-out prompts at one policy version."""
 
-    accuracy: float
+    accuracy: float | None
+    """None where the held-out rows have no 'answer' column to match."""
     policy_version: int
     examples: list[tuple[str, str, str]]  # (prompt, completion, answer), the first few
+
+
+def _exact_match_accuracy(greedy: list[Episode], rows: list[PromptRow]) -> float | None:
+    """Returns the share of greedy completions that match their row's answer exactly;
+    None unless every row has an answer."""
+    if not all("answer" in r.columns for r in rows):
+        return None
+    answers = [str(r.columns["answer"]) for r in rows]
+    scores = exact_match([e.prompt for e in greedy], [e.completion for e in greedy], answer=answers)
+    return sum(scores) / len(scores)
 
 
 class _DropRotaryReloadWarning(logging.Filter):
@@ -181,12 +193,33 @@ class RolloutWorker:
     ) -> tuple[list[Episode], GenerateStats]:
         """Returns samples_per_prompt episodes per prompt, tagged with this worker's
         policy version, and a small stats record."""
-        from vllm import SamplingParams
-
         if self.make_environment is not None:
             return self._generate_turns(rows, first_prompt_index)
+        started = time.perf_counter()
+        rollout = self.rollout
+        episodes = self._sampled(
+            rows,
+            first_prompt_index,
+            rollout.samples_per_prompt,
+            rollout.temperature,
+            rollout.min_new_tokens,
+        )
+        seconds = time.perf_counter() - started
+        tokens = sum(len(e.completion_token_ids) for e in episodes)
+        stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
+        return episodes, stats
 
-        samples = self.rollout.samples_per_prompt
+    def _sampled(
+        self,
+        rows: list[PromptRow],
+        first_prompt_index: int,
+        samples: int,
+        temperature: float,
+        min_tokens: int = 0,
+    ) -> list[Episode]:
+        """Returns `samples` single-turn episodes per prompt (temperature 0: greedy)."""
+        from vllm import SamplingParams
+
         prompts, params, keys = [], [], []
         for offset, row in enumerate(rows):
             index = first_prompt_index + offset
@@ -196,28 +229,23 @@ class RolloutWorker:
                 params.append(
                     SamplingParams(
                         max_tokens=self.rollout.max_new_tokens,
-                        min_tokens=self.rollout.min_new_tokens,
-                        temperature=self.rollout.temperature,
+                        min_tokens=min_tokens,
+                        temperature=temperature,
                         logprobs=0,
                         seed=sampling_seed(self.seed, index, sample),
                         **stop_settings(self.rollout),
                     )
                 )
                 keys.append((row, rendered.text, index, sample))
-        started = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
         now = time.time()
         # Ids are unique per generation attempt: a batch regenerated after a failure, or
         # by a resumed run, gets new ones, so the store never holds one id twice.
         attempt = uuid.uuid4().hex[:8]
-        episodes = [
+        return [
             self._episode(row, text, index, sample, output, now, attempt)
             for (row, text, index, sample), output in zip(keys, outputs, strict=True)
         ]
-        tokens = sum(len(e.completion_token_ids) for e in episodes)
-        stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
-        return episodes, stats
 
     def render(self, row: PromptRow) -> RenderedPrompt:
         """Returns the row's prompt as the model reads it: vLLM is given its token ids,
@@ -272,34 +300,52 @@ class RolloutWorker:
             generated_at=now,
         )
 
-    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
-        """Returns greedy-decoding exact-match accuracy against each row's 'answer' (with
-        an environment: the mean of the rewards it gave greedy trajectories)."""
-        from vllm import SamplingParams
+    def eval_episodes(
+        self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
+    ) -> tuple[EvalEpisodes, EvalResult]:
+        """Returns each held-out prompt's greedy episode and `samples` sampled ones at
+        `temperature` (prompt_index -len(rows) + i for row i, as seeds and scores name
+        it), and the greedy exact-match accuracy with a few examples.
 
+        Sampling seeds depend on the run seed, the prompt and the sample only, so that
+        every model evaluated with one seed draws with the same random numbers: their
+        differences are the models', not the draws'."""
+        first = -len(rows)
         if self.make_environment is not None:
-            return self._evaluate_turns(rows, examples)
+            limits = turn_limits(self.rollout)
 
-        params = SamplingParams(
-            max_tokens=self.rollout.max_new_tokens, temperature=0.0, **stop_settings(self.rollout)
-        )
-        rendered = [self.render(r) for r in rows]
-        prompts = [{"prompt_token_ids": r.token_ids} for r in rendered]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        texts = [r.text for r in rendered]
-        completions = [o.outputs[0].text for o in outputs]
-        answers = [str(r.columns["answer"]) for r in rows]
-        scores = exact_match(texts, completions, answer=answers)
-        shown = list(zip(texts, completions, answers, strict=True))[:examples]
-        return EvalResult(sum(scores) / len(scores), self.policy_version, shown)
+            def run(count: int, temp: float) -> list[Episode]:
+                return multi_turn_episodes(
+                    self, rows, first, self.make_environment, limits, count, temp
+                )
 
-    def _evaluate_turns(self, rows: list[PromptRow], examples: int) -> EvalResult:
-        limits = turn_limits(self.rollout)
-        episodes = multi_turn_episodes(self, rows, 0, self.make_environment, limits, greedy=True)
-        rewards = [environment_reward(e) or 0.0 for e in episodes]
+            greedy = run(1, 0.0)
+            accuracy = sum(environment_reward(e) or 0.0 for e in greedy) / len(greedy)
+        else:
+
+            def run(count: int, temp: float) -> list[Episode]:
+                return self._sampled(rows, first, count, temp)
+
+            greedy = run(1, 0.0)
+            accuracy = _exact_match_accuracy(greedy, rows)
+        sampled = run(samples, temperature) if samples else []
         answers = [str(r.columns.get("answer", "")) for r in rows]
-        shown = [(e.prompt, e.completion, a) for e, a in zip(episodes, answers, strict=True)]
-        return EvalResult(sum(rewards) / len(rewards), self.policy_version, shown[:examples])
+        shown = [(e.prompt, e.completion, a) for e, a in zip(greedy, answers, strict=True)]
+        result = EvalResult(accuracy, self.policy_version, shown[:examples])
+        return EvalEpisodes(greedy, sampled), result
+
+    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+        """Returns the greedy exact-match accuracy against each row's 'answer' (None
+        without answers; with an environment: the mean reward it gave greedy
+        trajectories)."""
+        return self.eval_episodes(rows, examples=examples)[1]
+
+    def close(self) -> None:
+        """Shuts the engine down. It runs in this process (vllm_env turns vLLM's
+        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
+        gc.freeze()s them at start) and its torch.distributed group, which the next
+        engine in this process creates again."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def load_weights(self, version: int, weights: Mapping) -> float:
         """Loads a published state dict in place and returns the seconds it took."""

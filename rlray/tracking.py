@@ -32,6 +32,9 @@ TAGS: dict[str, str] = {
     "reward_seconds": "reward/seconds",
     "reward_wait_seconds": "reward/wait_seconds",
     "eval_accuracy": "eval/accuracy",
+    "eval": "eval",  # eval/<reward or component>/<metric>, e.g. eval/reward/pass@4
+    "eval_stderr": "eval_stderr",
+    "eval_prompts_left_out": "eval/prompts_left_out",
     "policy_loss": "loss/policy",
     "value_loss": "loss/value",
     "kl": "ppo/kl",

@@ -39,12 +39,9 @@ class RolloutHost:
         self.rollout = RolloutActor(*args)
 
     def stop(self) -> None:
-        """Shuts the held engine down. It runs in this process (vllm_env turns vLLM's
-        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
-        gc.freeze()s them at start) and its torch.distributed group, which the next
-        engine creates again."""
+        """Shuts the held engine down (RolloutWorker.close), so the next can start."""
         if self.rollout is not None:
-            self.rollout.llm.llm_engine.engine_core.shutdown()
+            self.rollout.close()
             self.rollout = None
             gc.collect()
 

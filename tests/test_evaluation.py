@@ -375,3 +375,36 @@ def test_best_checkpoint_rejects_unknown_metric_and_no_evaluations():
         ev.best_checkpoint({0: summary_with("reward/mean", 0.5)}, "reward/pass@8")
     with pytest.raises(ValueError, match="no evaluations"):
         ev.best_checkpoint({}, "reward/mean")
+
+
+# ---------------------------------------------------------------- names and failed scores
+
+
+def test_metric_names_are_the_names_a_summary_has():
+    samples = [
+        EvalSample(p, float(p == 0), {"exact_match": float(p == 0), "len": 0.5}, greedy=g)
+        for p in (0, 1)
+        for g in (True, False, False, False)
+    ]
+    summary = ev.summarize("m", samples, ks=(1, 3))
+    names = ev.metric_names(["exact_match", "len"], samples=3, ks=(1, 3))
+    assert names == list(summary.metrics)
+    assert names[:4] == ["reward/mean", "reward/pass@1", "reward/pass@3", "reward/greedy_accuracy"]
+    greedy_only = ev.summarize("m", [s for s in samples if s.greedy], ks=())
+    assert ev.metric_names(["exact_match", "len"], samples=0, ks=(1,)) == list(greedy_only.metrics)
+
+
+def test_fully_scored_leaves_out_every_completion_of_a_prompt_a_reward_failed_on():
+    samples = [
+        EvalSample(0, 1.0, {"a": 1.0}),
+        EvalSample(0, 0.0, {"a": 0.0}, greedy=True),
+        EvalSample(1, 1.0, {"a": None}),  # component failed
+        EvalSample(1, 1.0, {"a": 1.0}, greedy=True),
+        EvalSample(2, None, {"a": 1.0}),  # total dropped
+        EvalSample(3, 1.0, {"a": math.nan}, greedy=True),
+        EvalSample(4, 0.5, {"a": 0.5}),
+    ]
+    kept, left_out = ev.fully_scored(samples)
+    assert left_out == [1, 2, 3]
+    assert [s.prompt_id for s in kept] == [0, 0, 4]
+    assert ev.fully_scored(kept) == (kept, [])

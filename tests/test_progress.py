@@ -46,3 +46,14 @@ def test_a_terminal_gets_one_live_line_and_evaluations_below_it():
     assert "held-out accuracy 0.500" in text
     assert text.endswith("\n")  # the last step closes the live line
     assert "acc 0.500" in text.rsplit("\r", 1)[1]
+
+
+def test_an_evaluation_without_answers_shows_its_metric_with_its_standard_error():
+    out = io.StringIO()
+    progress = Progress(total_steps=2, first_step=1, out=out, every_s=3600)
+    progress.evaluated(0, EvalResult(None, 0, []), ("reward/pass@4", 0.625, 0.0625))
+    progress.stepped(record(1))
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("eval  step    0  reward/pass@4 0.625 ± 0.062  e.g.")
+    assert "held-out accuracy" not in first
+    assert "acc 0.625" in second

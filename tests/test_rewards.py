@@ -231,3 +231,38 @@ def test_reward_code_that_exits_or_crashes_fails_only_its_episodes(user_file, ca
     # The worker (this process) lives on, and so does scoring.
     scored, stats = worker.score(episodes("again"))
     assert scored[0].reward_components[exits.name] == 1.0 and stats.failures[exits.name] == 0
+
+
+def test_evaluation_is_scored_by_the_eval_rewards_and_comes_back_as_small_records(user_file):
+    from rlray.evaluation import EvalEpisodes
+
+    greedy = episodes("ab", "bad")
+    sampled = episodes("a", "abc", "bad", "abcd")
+    for i, e in enumerate(greedy):
+        e.prompt_index = -2 + i
+    for i, e in enumerate(sampled):
+        e.prompt_index = -2 + i // 2
+    train = [spec(user_file, "reward_len")]
+    evaluation = [spec(user_file, "fails_on_bad"), spec(user_file, "Scaled", kwargs={"factor": 2})]
+    worker = RewardWorker("reward-0", train, eval_specs=evaluation)
+    samples = worker.evaluate(EvalEpisodes(greedy, sampled))
+    assert [(s.prompt_id, s.greedy) for s in samples] == [
+        (-2, True),
+        (-1, True),
+        (-2, False),
+        (-2, False),
+        (-1, False),
+        (-1, False),
+    ]
+    lengths = [2, 3, 1, 3, 3, 4]
+    failing, scaled = (s.name for s in evaluation)
+    assert [s.components[scaled] for s in samples] == [2.0 * n for n in lengths]
+    # fails_on_bad fails on "bad" only: None there, the total from the other component
+    assert [s.components[failing] for s in samples] == [1.0, None, 1.0, 1.0, None, 1.0]
+    assert [s.reward for s in samples] == [5.0, 6.0, 3.0, 7.0, 6.0, 9.0]
+    # training still scores with its own rewards
+    scored, _ = worker.score(episodes("abc"))
+    assert scored[0].reward_components == {train[0].name: -17.0}
+    # without eval rewards, the training rewards score the evaluation
+    plain = RewardWorker("reward-1", train).evaluate(EvalEpisodes(episodes("ab"), []))
+    assert plain[0].components == {train[0].name: -18.0}

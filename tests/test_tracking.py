@@ -110,6 +110,21 @@ def test_flatten_keeps_only_finite_numbers():
     assert flatten_metrics(record) == {"ppo/kl": 0.1}
 
 
+def test_eval_metrics_are_tagged_by_reward_and_metric():
+    record = {
+        "step": 5,
+        "eval": {"reward/greedy_accuracy": 0.5, "exact_match/pass@4": 0.75},
+        "eval_stderr": {"reward/greedy_accuracy": 0.125},
+        "eval_prompts_left_out": 0,
+    }
+    assert flatten_metrics(record) == {
+        "eval/reward/greedy_accuracy": 0.5,
+        "eval/exact_match/pass@4": 0.75,
+        "eval_stderr/reward/greedy_accuracy": 0.125,
+        "eval/prompts_left_out": 0.0,
+    }
+
+
 def test_wandb_id_is_stable_per_run_and_distinct_between_runs():
     assert wandb_run_id("ppo-2026 01/02") == wandb_run_id("ppo-2026 01/02")
     assert wandb_run_id("ppo a") != wandb_run_id("ppo/a")

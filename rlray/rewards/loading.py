@@ -181,14 +181,21 @@ def load_reward(spec: RewardSpec) -> LoadedReward:
     return LoadedReward(spec.name, target, dict(spec.kwargs), spec)
 
 
-def check_rewards(specs: list[RewardSpec], column_names: set[str]) -> None:
-    """Raises ConfigError naming the first reward that does not import or cannot be
-    called with this data and these kwargs; loads no model."""
+def check_rewards(
+    specs: list[RewardSpec],
+    column_names: set[str],
+    field: str = "reward.functions",
+    data: str = "",
+) -> None:
+    """Raises ConfigError naming the first reward (as `field`[i]) that does not import or
+    cannot be called with this data (`data` names it in the message) and these kwargs;
+    loads no model."""
     names = [spec.name for spec in specs]
     for i, spec in enumerate(specs):
         if names.count(spec.name) > 1:
-            raise ConfigError(f"reward.functions[{i}].name: {spec.name!r} appears twice")
+            raise ConfigError(f"{field}[{i}].name: {spec.name!r} appears twice")
         try:
             check_callable(spec, column_names)
         except ValueError as err:
-            raise ConfigError(f"reward.functions[{i}].name ({spec.name}): {err}") from None
+            where = f" with {data}" if data else ""
+            raise ConfigError(f"{field}[{i}].name ({spec.name}){where}: {err}") from None

@@ -19,6 +19,7 @@ from typing import Any
 from rlray.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.config import RewardSpec
 from rlray.episode import Episode
+from rlray.evaluation import EvalEpisodes, EvalSample
 from rlray.groups import group_key, split_uniform_groups
 from rlray.rewards.loading import scheduled_weight
 from rlray.rewards.process import RewardCallError, RewardProcess
@@ -60,9 +61,12 @@ class RewardWorker:
         specs: list[RewardSpec],
         on_failure: str = "skip_component",
         batch_size: int = 64,
+        eval_specs: list[RewardSpec] | None = None,
     ):
         self.name = name
         self.specs = specs
+        self.eval_specs = eval_specs
+        self._eval_worker: RewardWorker | None = None
         self.process = RewardProcess(specs)
         self.drop_on_failure = on_failure == "drop_episode"
         self.batch_size = batch_size
@@ -103,6 +107,32 @@ class RewardWorker:
         stats.uniform_groups = len({group_key(e) for e in uniform})
         stats.uniform_episodes = len(uniform)
         return kept, uniform, stats
+
+    def evaluate(self, episodes: EvalEpisodes, step: int = 0) -> list[EvalSample]:
+        """Returns the scores of held-out episodes (weights as scheduled at learner
+        `step`), by the eval rewards if given: small records for the driver, where
+        rlray.evaluation.summarize turns them into metrics."""
+        scorer = self._eval_scorer()
+        samples = []
+        for greedy, batch in ((True, episodes.greedy), (False, episodes.sampled)):
+            scored, _ = scorer.score(batch, step) if batch else ([], None)
+            samples += [
+                EvalSample(e.prompt_index, e.reward, dict(e.reward_components), greedy)
+                for e in scored
+            ]
+        return samples
+
+    def _eval_scorer(self) -> RewardWorker:
+        """Returns the worker that scores evaluations: this one, or one of the eval
+        rewards (with a reward process of its own, started on first use)."""
+        if not self.eval_specs or self.eval_specs == self.specs:
+            return self
+        if self._eval_worker is None:
+            on_failure = "drop_episode" if self.drop_on_failure else "skip_component"
+            self._eval_worker = RewardWorker(
+                f"{self.name}-eval", self.eval_specs, on_failure, self.batch_size
+            )
+        return self._eval_worker
 
     def _set_total(self, episode: Episode, step: int) -> bool:
         """Sets the weighted total; returns True if the episode is dropped instead."""
