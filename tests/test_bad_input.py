@@ -129,6 +129,23 @@ BAD_INPUTS = {
     "run-dir-under-a-file": (["--run-dir", "FILE/run"], "run_dir: cannot create "),
     "run-dir-is-a-file": (["--run-dir", "FILE"], "run_dir: cannot create "),
     "seed-too-large": (["--seed", "4294967296"], "seed must be <= "),
+    "one-held-out-prompt": (
+        ["--data.eval", "ONE_PROMPT"],
+        "data.eval: 1 held-out prompt(s); an evaluation needs at least 2",
+    ),
+    "eval-reward-lacks-a-column": (
+        ["--data.eval", "NO_ANSWERS"],
+        "reward.functions[0].name (exact_match) with data.eval: ",
+    ),
+    "eval-best-metric-unknown": (
+        ["--eval.best_metric", "reward/pass@4"],
+        "eval.best_metric: no metric 'reward/pass@4'; with these settings there are "
+        "reward/greedy_accuracy, exact_match/greedy_accuracy",
+    ),
+    "eval-pass-k-beyond-samples": (
+        ["--eval.samples", "2", "--eval.pass_k", "[1, 4]"],
+        "eval.pass_k[1] must be in [1, eval.samples = 2], got 4",
+    ),
 }
 
 
@@ -154,6 +171,10 @@ def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
             tmp_path / "bad_chat.jsonl",
             {"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
             {"prompt": [{"role": "robot", "content": "1+1="}], "answer": "2"},
+        ),
+        "ONE_PROMPT": lambda: jsonl(tmp_path / "one.jsonl", {"prompt": "1+1=", "answer": "2"}),
+        "NO_ANSWERS": lambda: jsonl(
+            tmp_path / "plain.jsonl", {"prompt": "1+1="}, {"prompt": "2+2="}
         ),
         "FILE": lambda: _write(tmp_path / "file", b"x"),
         "FILE/run": lambda: _write(tmp_path / "file", b"x") + "/run",
@@ -211,3 +232,41 @@ def test_the_context_window_check_follows_vllm_rope_scaling(tiny_model, tmp_path
     assert model_limits(str(model), 256).max_model_len == 256
     with pytest.raises(ConfigError, match=r"\(256: max_position_embeddings x RoPE factor 4.0"):
         model_limits(str(model), 257)
+
+
+@pytest.fixture(scope="module")
+def eval_job():
+    """jobs/eval.py as a module; starting an engine fails the test (nothing may start)."""
+    spec = importlib.util.spec_from_file_location("eval_job", REPO / "jobs" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def engine(*args, **kwargs):
+        raise AssertionError("bad input reached vLLM")
+
+    module.RolloutWorker = engine
+    return module
+
+
+def test_eval_job_bad_input_is_one_line_exit_2(eval_job, tmp_path, capsys):
+    unfinished_run = tmp_path / "run"
+    (unfinished_run / "checkpoints").mkdir(parents=True)
+    cases = {
+        "no model": ([], "error: name at least one model to evaluate (usage: eval.py MODEL"),
+        "twice": (
+            ["builtin:tiny-arithmetic"] * 2,
+            "model 'builtin:tiny-arithmetic' is named twice",
+        ),
+        "no such model": (["/no/such/model"], "/no/such/model: no such model directory"),
+        "no checkpoint": ([str(unfinished_run)], "a run directory without a complete checkpoint"),
+        "bad field": (
+            ["builtin:tiny-arithmetic", "--eval.samples", "-1"],
+            "eval.samples must be >= 0, got -1",
+        ),
+    }
+    for name, (args, message) in cases.items():
+        assert eval_job.main([*args, "--out", str(tmp_path / "out")]) == 2, name
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("eval.py: error: "), (name, lines)
+        assert message in lines[0], (name, lines)
+    assert not (tmp_path / "out").exists()

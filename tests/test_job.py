@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from rlray.checkpoints import checkpoint_version
+from rlray.evaluation import metric_names
 from rlray.telemetry import METRICS
 from tests.jobs_helper import (
     REPO,
@@ -263,10 +265,66 @@ def test_checkpoint_in_transformers_holds_the_weights_vllm_was_synced_with(five_
     assert all(tokenizer(e.prompt).input_ids == e.prompt_token_ids for e in episodes[:32])
 
 
+@pytest.mark.slow
+def test_eval_job_compares_checkpoints_with_the_scores_their_runs_logged(
+    five_step_runs, job_env, tmp_path
+):
+    """jobs/eval.py on the base model and two checkpoints gives each the greedy accuracy
+    its run logged for that step (same prompts, same greedy decoding), and a paired
+    comparison whose differences are the values' differences."""
+    root, _ = five_step_runs
+    run, resumed = root / "a", root / "resumed"
+    models = ["builtin:tiny-arithmetic", str(resumed / "checkpoints" / "step-000003"), str(run)]
+    out = tmp_path / "comparison"
+    args = ["--config", str(run / "config.yaml"), "--eval.samples", "3", "--eval.pass_k", "[1, 3]"]
+    result = subprocess.run(
+        [sys.executable, "jobs/eval.py", *models, *args, "--out", str(out)],
+        cwd=REPO,
+        env=job_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads((out / "comparison.json").read_text())
+    assert table["baseline"] == models[0] and table["models"] == models
+    assert table["prompts"] == 40
+    logged = [eval_accuracy(run, 0), eval_accuracy(resumed, 3), eval_accuracy(run, 5)]
+    greedy = table["metrics"]["exact_match/greedy_accuracy"]
+    assert [greedy[m]["value"] for m in models] == pytest.approx(logged, abs=1e-12)
+    assert logged[2] > logged[0]  # trained 5 steps: a comparison with something to show
+    for name, by_model in table["metrics"].items():
+        base = by_model[models[0]]
+        assert base["difference"] == 0 and base["difference_stderr"] == 0, name
+        for model in models[1:]:
+            entry = by_model[model]
+            assert entry["difference"] == pytest.approx(entry["value"] - base["value"])
+            assert entry["stderr"] >= 0 and entry["difference_stderr"] >= 0
+    for model in models:  # binary rewards: pass@1 is the mean, pass@3 at least that
+        value = {name: by_model[model]["value"] for name, by_model in table["metrics"].items()}
+        assert value["reward/pass@1"] == pytest.approx(value["reward/mean"])
+        assert value["reward/pass@3"] >= value["reward/pass@1"]
+    markdown = (out / "comparison.md").read_text()
+    assert markdown in result.stdout
+    assert f"| exact_match/greedy_accuracy | {logged[0]:.3f} ± " in markdown
+
+
+def eval_accuracy(run_dir: Path, step: int) -> float:
+    """Returns the held-out accuracy a run logged at `step`."""
+    (record,) = [r for r in read_metrics(run_dir) if r["step"] == step]
+    return record["eval_accuracy"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Returns every line of the run's metrics.jsonl (step 0, the first evaluation, too)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def overlap_run(job_env, tmp_path_factory):
     """One 6-step run with two rollout workers and max_staleness 1, rewards from a config
-    file with a user reward file, and wandb (offline): for several tests."""
+    file with a user reward file, evaluations with samples and rewards of their own, and
+    wandb (offline): for several tests."""
     root = tmp_path_factory.mktemp("overlap")
     rewards = root / "rewards.py"
     rewards.write_text(USER_REWARDS)
@@ -277,9 +335,15 @@ def overlap_run(job_env, tmp_path_factory):
         "    - {name: exact_match, weight: 1.0}\n"
         f"    - {{name: '{rewards}:short_answers', weight: 0.5, schedule: [[0, 0.0], [2, 0.5]]}}\n"
         f"    - {{name: '{rewards}:flaky', weight: 1.0}}\n"
+        "eval:\n"
+        "  samples: 2\n"
+        "  pass_k: [1, 2]\n"
+        f"  rewards: [{{name: exact_match}}, {{name: '{rewards}:flaky'}}]\n"
+        "  best_metric: exact_match/pass@2\n"
     )
     run_dir = root / "run"
     args = ["--config", str(config), *SHORT_RUN, "--learner.steps", "6", "--run-dir", str(run_dir)]
+    args += ["--learner.eval_every", "2"]
     overlap = ["--rollout.num_workers", "2", "--buffer.max_staleness", "1"]
     tracking = ["--tracking.wandb", "true", "--tracking.wandb_mode", "offline"]
     result = run_job([*args, *overlap, *tracking], {**job_env, "WANDB_SILENT": "true"})
@@ -499,6 +563,52 @@ def test_user_reward_file_from_a_config_runs_end_to_end(overlap_run):
     assert len(list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"report: {run_dir / 'report.png'}" in result.stdout
+
+
+@pytest.mark.slow
+def test_evaluations_score_with_the_eval_rewards_and_keep_the_best_checkpoint(overlap_run):
+    run_dir, result, rewards = overlap_run
+    evals = [r for r in read_metrics(run_dir) if "eval" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    flaky = f"{rewards}:flaky"
+    # eval.rewards, not the training rewards (short_answers is not scored)
+    names = metric_names(["exact_match", flaky], samples=2, ks=[1, 2])
+    for r in evals:
+        assert list(r["eval"]) == names and list(r["eval_stderr"]) == names
+        e = r["eval"]
+        assert e["exact_match/pass@1"] == pytest.approx(e["exact_match/mean"])
+        assert e["exact_match/mean"] <= e["exact_match/pass@2"] <= 1
+        assert e[f"{flaky}/mean"] == 0  # flaky gives 0 where it does not raise
+        assert e["reward/mean"] == pytest.approx(e["exact_match/mean"])
+        assert all(v >= 0 for v in r["eval_stderr"].values())
+    # flaky raises on completions with a 7: their prompts are left out, not counted as 0
+    assert any(0 < r["eval_prompts_left_out"] < 39 for r in evals)
+    # The best evaluation by exact_match/pass@2 (the first of equals) is kept: its
+    # checkpoint holds its step's weights, saved then although checkpoint_every is 3.
+    best = json.loads((run_dir / "checkpoints" / "best.json").read_text())
+    values = [r["eval"]["exact_match/pass@2"] for r in evals]
+    first_best = values.index(max(values))
+    assert best["metric"] == "exact_match/pass@2" and best["value"] == values[first_best]
+    assert best["step"] == evals[first_best]["step"]
+    assert best["stderr"] == evals[first_best]["eval_stderr"]["exact_match/pass@2"]
+    if best["step"] == 0:
+        assert best["checkpoint"] is None
+    else:
+        assert checkpoint_version(best["checkpoint"]) == best["step"]
+        assert (Path(best["checkpoint"]) / "policy" / "config.json").is_file()
+    improved = [r for i, r in enumerate(evals[1:], 1) if values[i] > max(values[:i])]
+    assert all(r["checkpoint"].endswith(f"step-{r['step']:06d}") for r in improved)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_eval"] == best
+    assert f"best: exact_match/pass@2 {best['value']:.3f} at step {best['step']}" in result.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    points = events.Scalars("eval/exact_match/pass@2")
+    assert [(p.step, p.value) for p in points] == [
+        (r["step"], pytest.approx(v)) for r, v in zip(evals, values, strict=True)
+    ]
 
 
 def test_bad_input_is_one_line_exit_2_before_any_actor(tmp_path):
