@@ -108,6 +108,32 @@ def test_observations_are_appended_as_tokens_and_masked_at_every_boundary(tiny_r
             assert abs(rollout - reference) <= 1e-4 if policy else rollout == 0.0
 
 
+def evaluation_on_host(host: RolloutHost, limits: TurnLimits, samples: int, temperature: float):
+    return multi_turn_episodes(host.rollout, ROWS, -2, AskTwice, limits, samples, temperature)
+
+
+def test_evaluation_trajectories_are_greedy_or_sampled_as_asked_and_seeded(tiny_rollout):
+    host, _ = tiny_rollout
+    limits = TurnLimits(max_turns=2, max_new_tokens=4, max_completion_tokens=20)
+
+    def run(samples: int, temperature: float) -> list:
+        call = host.__ray_call__.remote(evaluation_on_host, limits, samples, temperature)
+        return ray.get(call, timeout=300)
+
+    greedy, sampled, sampled_again = run(1, 0.0), run(3, 1.0), run(3, 1.0)
+    assert [(e.prompt_index, e.sample_index) for e in greedy] == [(-2, 0), (-1, 0)]
+    assert [(e.prompt_index, e.sample_index) for e in sampled] == [
+        (p, s) for p in (-2, -1) for s in range(3)
+    ]
+    # Seeded by prompt, sample and turn: every model evaluated with a seed draws alike.
+    tokens = [e.completion_token_ids for e in sampled]
+    assert tokens == [e.completion_token_ids for e in sampled_again]
+    assert [e.completion_token_ids for e in run(1, 0.0)] == [e.completion_token_ids for e in greedy]
+    # ... and the samples are samples: not all of them the greedy trajectory.
+    greedy_of = {e.prompt_index: e.completion_token_ids for e in greedy}
+    assert any(e.completion_token_ids != greedy_of[e.prompt_index] for e in sampled)
+
+
 def test_the_turn_limit_and_the_token_budget_end_a_trajectory(tiny_rollout):
     host, path = tiny_rollout
     # What reset() answers is part of the prompt.
