@@ -1,0 +1,118 @@
+"""The learner group's plumbing: one torch.distributed process group over the learner
+processes (gloo on CPU, NCCL on GPU: the same code), FSDP2 sharding of a model across
+it, and the split of a batch across the learners by tokens.
+
+How the group's update equals one learner's: every learner holds the whole batch (the
+same object-store references) and computes the same split, so they agree on it without
+talking. Each learner's loss is its rows' share of the whole mini-batch's loss (divided
+by the mini-batch's token count over every learner), so the mini-batch's gradient is
+the SUM of the learners' gradients, not their mean: the reduction is set to a plain
+sum (FSDP2 would divide by the group size, and on gloo its "average" is a sum anyway:
+pytorch#162338). FSDP2 gathers each layer's parameters for every forward and backward
+pass, so every learner must run the same number of micro-batches: one with no rows of
+its own runs a row with an all-zero loss mask.
+"""
+
+from __future__ import annotations
+
+import heapq
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def free_port() -> int:
+    """Returns a TCP port that was free a moment ago (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device_type: str) -> str:
+    """Returns the process group backend of a device type: nccl for cuda, else gloo."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def join_group(
+    rank: int, world_size: int, address: str, port: int, device_type: str, timeout_s: float
+) -> None:
+    """Joins the learners' process group; rank 0's address and port are the rendezvous.
+    Every learner blocks here until all `world_size` have joined, at most `timeout_s`."""
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def shard(model: nn.Module, device_type: str) -> nn.Module:
+    """Shards the model's parameters (and so its gradients and optimizer state) across
+    the process group with FSDP2: each decoder layer on its own, so that only one layer
+    is whole at a time, then the rest (embeddings, head, norms) together. Gradients are
+    summed over the group, not averaged (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Each sharded module reduces its own gradients: set the sum on every one of them
+    # (set on the root only, the layers' gradients were halved at 2 learners).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Returns every parameter and buffer of a (sharded) model as a whole CPU tensor:
+    all-gathered, so every learner of the group must call it."""
+    state = {}
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        state[name] = full.detach().cpu()
+    return state
+
+
+def split_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Returns the row indexes of each of `parts` learners, their token counts balanced:
+    rows are dealt longest first, each to the learner with the fewest tokens so far
+    (the lower rank of equals). Each learner's rows are in ascending order. A learner
+    may get no row when there are fewer rows than learners."""
+    if parts < 1:
+        raise ValueError(f"split into parts >= 1, got {parts}")
+    loads = [(0, part) for part in range(parts)]
+    owned: list[list[int]] = [[] for _ in range(parts)]
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        tokens, part = heapq.heappop(loads)
+        owned[part].append(row)
+        heapq.heappush(loads, (tokens + lengths[row], part))
+    return [sorted(rows) for rows in owned]
+
+
+def micro_batch_count(rows_per_learner: Sequence[int], micro_batch_size: int) -> int:
+    """Returns how many micro-batches every learner runs: as many as the learner with
+    the most rows needs, at least one."""
+    return max(1, max(-(-rows // micro_batch_size) for rows in rows_per_learner))
+
+
+def micro_batches(rows: Sequence[int], count: int) -> list[list[int]]:
+    """Returns `rows` in `count` consecutive micro-batches as even as can be; some are
+    empty when there are fewer rows than micro-batches."""
+    size, extra = divmod(len(rows), count)
+    batches, start = [], 0
+    for i in range(count):
+        end = start + size + (1 if i < extra else 0)
+        batches.append(list(rows[start:end]))
+        start = end
+    return batches
