@@ -59,6 +59,23 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT): the learner trains low-rank adapters on the frozen base model
+    and the rollout workers get the merged weights."""
+
+    rank: int = 0
+    """Adapter rank r; 0 (the default) trains every weight. With r > 0 only the adapters
+    train (AdamW state for them alone); the KL reference is the same model with its
+    adapters disabled, so no second copy is held. Adapter dropout is 0, like every other
+    dropout: the ratio of two forward passes must not be noise."""
+    alpha: float = 16.0
+    """Adapter scale numerator: a layer computes W x + (alpha / rank) B A x."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj];
+    [all-linear] is every linear layer but the output embedding."""
+
+
+@dataclass
 class ModelConfig:
     """The policy model: where its weights come from, their dtype, its context window."""
 
@@ -74,6 +91,8 @@ class ModelConfig:
     bfloat16 has float32's range at the same cost."""
     max_model_len: int = 64
     """Context window in tokens (prompt + completion) given to vLLM."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters; off unless lora.rank > 0."""
 
 
 @dataclass
@@ -728,6 +747,7 @@ def validate(config: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
+    _check_lora(config.model.lora)
     upper = {  # name: (value, largest allowed, why)
         "rollout.gpu_memory_utilization": (r.gpu_memory_utilization, 1.0, "a share"),
         "ingest.port": (config.ingest.port, 65535, "a TCP port"),
@@ -819,6 +839,17 @@ def _check_algorithm(config: Config) -> None:
             f"rollout.samples_per_prompt must be >= 2 for algorithm.advantage {a.advantage} "
             "(it compares the samples of each prompt)"
         )
+
+
+def _check_lora(lora: LoraConfig) -> None:
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank must be >= 0 (0 is off), got {lora.rank}")
+    if lora.rank and not lora.alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be > 0, got {lora.alpha}")
+    if lora.rank and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules must name at least one module")
+    if "all-linear" in lora.target_modules and len(lora.target_modules) > 1:
+        raise ConfigError("model.lora.target_modules: all-linear stands alone")
 
 
 def _check_stop_settings(r: RolloutConfig) -> None:

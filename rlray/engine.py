@@ -14,6 +14,14 @@ entropy enters the loss.
 
 bfloat16: weights and optimizer state stay float32; forward and backward passes run
 under autocast in bfloat16, and the rollout workers get bfloat16 copies.
+
+LoRA (`lora_rank > 0`, through PEFT): the policy is the frozen base model with adapters,
+and only the adapters train and have AdamW state. The KL reference is the same model
+with its adapters disabled, not a second copy. A checkpoint holds the adapters (to
+resume) and the merged model as its HF policy (what vLLM and transformers load); a run
+resumes from the starting model plus the adapters, so the reference stays the base. The
+critic, when there is one, stays a full model: it is a second trunk either way, and
+adapters on it would save only its optimizer state.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import torch
 from torch import nn
 
 from rlray import rl_math as rm
+from rlray.weights import merged_parameters, tied_output_name
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -155,6 +164,9 @@ class Engine:
         gradient_checkpointing: bool = False,
         seed: int = 0,
         checkpoint: str | Path | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] = ("all-linear",),
     ):
         from transformers import AutoModel, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -168,16 +180,21 @@ class Engine:
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
-        policy_path = f"{checkpoint}/policy" if checkpoint else model_path
+        self.lora = lora_rank > 0
+        # With LoRA the base is always the starting model; a checkpoint adds its adapters.
+        policy_path = f"{checkpoint}/policy" if checkpoint and not self.lora else model_path
         # Master weights in float32 whatever the compute dtype.
         self.policy = self._load(AutoModelForCausalLM, policy_path, gradient_checkpointing)
+        if self.lora:
+            self.policy = with_lora(self.policy, lora_rank, lora_alpha, list(lora_targets))
+        self.with_reference = with_reference
         self.reference = None
-        if with_reference:
+        if with_reference and not self.lora:
             # float32 like the policy, so that KL is exactly 0 before the first update.
             self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self.reference.to(self.device).requires_grad_(False).eval()
         self.critic = None
-        groups = [{"params": list(self.policy.parameters()), "lr": lr}]
+        groups = [{"params": self.trainable_parameters(), "lr": lr}]
         if with_critic:
             # A checkpoint of a run without a critic (another estimator) has none to load.
             has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
@@ -197,6 +214,11 @@ class Engine:
             model.gradient_checkpointing_enable()
         model.train()  # gradient checkpointing acts in training mode only; no dropout left
         return model
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Returns the policy's parameters that train: all of them, or with LoRA the
+        adapters alone."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ forward passes
 
@@ -258,16 +280,23 @@ class Engine:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
-        """Returns the reference model's (B, T) logprobs, or None if none is held."""
-        if self.reference is None:
+        """Returns the reference model's (B, T) logprobs, or None if none is held: the
+        frozen starting model, or with LoRA the policy with its adapters disabled."""
+        if not self.with_reference:
             return None
+        model = self.reference if self.reference is not None else self.policy
         parts = []
-        for rows in self._chunks(batch):
-            micro = batch.rows(rows)
-            with self._compute():
-                logits = self._completion_logits(self.reference, micro)
-            parts.append(rm.token_logprobs(logits, micro.completion_ids))
+        with self._reference_mode():
+            for rows in self._chunks(batch):
+                micro = batch.rows(rows)
+                with self._compute():
+                    logits = self._completion_logits(model, micro)
+                parts.append(rm.token_logprobs(logits, micro.completion_ids))
         return torch.cat(parts)
+
+    def _reference_mode(self) -> contextlib.AbstractContextManager:
+        """With LoRA, the policy without its adapters is the base model, exactly."""
+        return self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
 
     def _chunks(self, batch: TokenBatch) -> Iterator[torch.Tensor]:
         index = torch.arange(batch.size, device=batch.input_ids.device)
@@ -310,7 +339,7 @@ class Engine:
         return updates
 
     def _optimizer_step(self) -> float:
-        norm = nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        norm = nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
         norms = {"policy": norm}
         if self.critic is not None:
             norms["critic"] = nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
@@ -325,9 +354,14 @@ class Engine:
     # ------------------------------------------------------------------ weights and checkpoints
 
     def save(self, directory: Path, tokenizer: Any) -> None:
-        """Writes the policy (HF format, with the tokenizer), the critic, the optimizer and
-        the random states into `directory`."""
-        self.policy.save_pretrained(directory / "policy")
+        """Writes the policy (HF format, with the tokenizer; with LoRA the merged model,
+        and the adapters apart), the critic, the optimizer and the random states into
+        `directory`."""
+        if self.lora:
+            self.policy.save_pretrained(directory / "adapter")
+            save_merged(self.policy, directory / "policy")
+        else:
+            self.policy.save_pretrained(directory / "policy")
         tokenizer.save_pretrained(directory / "policy")
         if self.critic is not None:
             self.critic.trunk.save_pretrained(directory / "critic")
@@ -343,6 +377,15 @@ class Engine:
         )
 
     def _load_state(self, checkpoint: Path) -> None:
+        adapter = checkpoint / "adapter"
+        if self.lora != adapter.is_dir():
+            has, wants = ("without", "with") if self.lora else ("with", "without")
+            raise ValueError(
+                f"{checkpoint}: a checkpoint of a run {has} LoRA adapters cannot resume a run "
+                f"{wants} them (model.lora.rank)"
+            )
+        if self.lora:
+            load_adapter(self.policy, adapter)
         head_path = checkpoint / "critic" / "value_head.pt"
         if self.critic is not None and head_path.is_file():
             self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
@@ -353,3 +396,42 @@ class Engine:
         self.shuffle.set_state(trainer["shuffle_rng"])
         torch.random.set_rng_state(trainer["torch_rng"])
         random.setstate(trainer["python_rng"])
+
+
+def with_lora(model: nn.Module, rank: int, alpha: float, targets: list[str]) -> nn.Module:
+    """Returns the model wrapped by PEFT with LoRA adapters on `targets`; only the
+    adapters require gradients. B starts at 0, so the policy starts as the base model."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        # PEFT takes "all-linear" as a string; a list would be read as module names.
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        lora_dropout=0.0,  # the ratio of two forward passes must not be noise
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def save_merged(model: nn.Module, directory: Path) -> None:
+    """Writes the PEFT model's merged weights (base + adapters, plain HF names) as an HF
+    model directory that vLLM and transformers load as a plain model."""
+    plain = model.get_base_model()
+    weights = merged_parameters(model)
+    tied = tied_output_name(model)
+    if tied is not None:  # saved once, under the input embedding's name
+        weights.pop(tied, None)
+    plain.save_pretrained(directory, state_dict=weights)
+
+
+def load_adapter(model: nn.Module, directory: Path) -> None:
+    """Loads a checkpoint's adapter weights into the PEFT model; raises ValueError if
+    they do not match its adapters (another rank or other target modules)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
+    missing = [key for key in result.missing_keys if ".lora_" in key]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{directory}: its adapters do not match model.lora's")

@@ -94,6 +94,9 @@ class Learner:
             gradient_checkpointing=learner.gradient_checkpointing,
             seed=seed,
             checkpoint=checkpoint,
+            lora_rank=model.lora.rank,
+            lora_alpha=model.lora.alpha,
+            lora_targets=tuple(model.lora.target_modules),
         )
         self.device = self.engine.device
         self.tokenizer = AutoTokenizer.from_pretrained(

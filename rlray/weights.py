@@ -2,10 +2,11 @@
 object store.
 
 `publishable_weights` casts every parameter, by HF name, to the rollout dtype, and names
-a tied output embedding too. `pack_weights` turns that into raw bytes, because the object
-store moves NumPy arrays without copying but NumPy has no bfloat16; `unpack_weights`
-views those bytes as tensors again on the rollout side, and `weights_for_vllm` leaves
-out the tied output name where vLLM's model for the architecture has no such module.
+a tied output embedding too; a LoRA policy (a PEFT model) publishes its merged weights.
+`pack_weights` turns that into raw bytes, because the object store moves NumPy arrays
+without copying but NumPy has no bfloat16; `unpack_weights` views those bytes as tensors
+again on the rollout side, and `weights_for_vllm` leaves out the tied output name where
+vLLM's model for the architecture has no such module.
 That last decision needs vLLM's model classes, so it is made where vLLM is loaded
 anyway: the learner never imports vLLM.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -32,8 +34,9 @@ def publishable_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch
     """
     # Parameters only: buffers (rotary inv_freq, Gemma2's embed_scale) follow from the
     # config, are never trained, and vLLM builds its own.
-    weights = {name: param.detach().to("cpu", dtype) for name, param in model.named_parameters()}
-    tied = _tied_output_embedding(model)
+    merged = merged_parameters(model)
+    weights = {name: tensor.to("cpu", dtype) for name, tensor in merged.items()}
+    tied = _tied_output_embedding(_transformers_model(model))
     if tied is not None:
         output_name, input_name = tied
         weights[output_name] = weights[input_name]
@@ -42,8 +45,48 @@ def publishable_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch
 
 def tied_output_name(model: nn.Module) -> str | None:
     """Returns the name of the output embedding's weight if it is the input embedding's."""
-    tied = _tied_output_embedding(model)
+    tied = _tied_output_embedding(_transformers_model(model))
     return None if tied is None else tied[0]
+
+
+@torch.no_grad()
+def merged_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Returns every parameter of the transformers model under its HF name, detached. For
+    a PEFT model with LoRA adapters that is the merged model: each adapted layer's weight
+    is W + (alpha / r) B A under the layer's plain name, and the adapter tensors are left
+    out. The merge is computed out of place: merging into the layer and unmerging after
+    would leave rounding errors in the base weights, which are the KL reference."""
+    # Merging here, rather than sending the adapters to vLLM's LoRA support, keeps the
+    # rollout side unchanged (the same names, shapes and reload_weights) and generation
+    # at base-model speed; it costs one B @ A per adapted layer per sync (BENCHMARKS.md).
+    plain = _transformers_model(model)
+    layers = dict(plain.named_modules())
+    weights = {}
+    for name, param in plain.named_parameters():
+        if _ADAPTER_TENSOR.search(name):
+            continue
+        layer, found, leaf = name.rpartition(".base_layer.")
+        if not found:
+            weights[name] = param.detach()
+            continue
+        tensor = param.detach()
+        if leaf == "weight":
+            module = layers[layer]
+            for adapter in module.active_adapters:
+                tensor = tensor + module.get_delta_weight(adapter)
+        weights[f"{layer}.{leaf}"] = tensor
+    return weights
+
+
+# PEFT's adapter tensors: lora_A/lora_B (linear layers), lora_embedding_A/B, DoRA's
+# magnitude vector; the adapted layer's own weights live under `.base_layer.`.
+_ADAPTER_TENSOR = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """Returns the transformers model inside a PEFT model (the model itself otherwise)."""
+    # Duck-typed: rollout workers import this module and need not import PEFT.
+    return model.get_base_model() if hasattr(model, "peft_config") else model
 
 
 def weights_for_vllm(
