@@ -1,6 +1,7 @@
 """The one config: YAML + command line, type checks, and errors that name the field."""
 
 import dataclasses
+import functools
 import math
 import re
 import typing
@@ -237,6 +238,19 @@ def test_missing_config_file_is_named(tmp_path):
             ["--learner.resources", "{gpu_node: -1}"],
             r"^learner.resources.gpu_node must be >= 0, got -1",
         ),
+        (["--model.lora.rank", "-1"], r"^model.lora.rank must be >= 0 \(0 is off\), got -1$"),
+        (
+            ["--model.lora.rank", "8", "--model.lora.alpha", "0"],
+            r"^model.lora.alpha must be > 0, got 0.0$",
+        ),
+        (
+            ["--model.lora.rank", "8", "--model.lora.target_modules", "[]"],
+            r"^model.lora.target_modules must name at least one module$",
+        ),
+        (
+            ["--model.lora.rank", "8", "--model.lora.target_modules", "[all-linear, q_proj]"],
+            r"^model.lora.target_modules: all-linear stands alone$",
+        ),
         (["--learner.lr", ".inf"], r"^learner.lr must be finite, got inf$"),
         (["--rollout.temperature", ".nan"], r"^rollout.temperature must be finite, got nan$"),
         (["--algorithm.clip_high=-.inf"], r"^algorithm.clip_high must be finite, got -inf$"),
@@ -252,13 +266,20 @@ def test_validate_names_the_bad_field(argv, message):
         validate(config)
 
 
+def test_lora_fields_parse_from_the_command_line():
+    argv = ["--model", "m", "--model.lora.rank", "8", "--model.lora.target_modules", "[q_proj]"]
+    lora = parse_command_line(argv).config.model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ["q_proj"])
+    assert parse_command_line([]).config.model.lora.rank == 0  # off by default
+
+
 def test_every_float_field_must_be_finite():
     floats = [(d, k) for d, k, _, _ in settable_fields() if k is float or k == float | None]
     assert len(floats) > 20
     for dotted, _ in floats:
         section, _, name = dotted.rpartition(".")
         config = Config()
-        target = getattr(config, section) if section else config
+        target = functools.reduce(getattr, section.split("."), config) if section else config
         setattr(target, name, math.nan)
         with pytest.raises(ConfigError, match=rf"^{re.escape(dotted)} must be finite, got nan$"):
             validate(config)
