@@ -418,7 +418,7 @@ def save_merged(model: nn.Module, directory: Path) -> None:
     """Writes the PEFT model's merged weights (base + adapters, plain HF names) as an HF
     model directory that vLLM and transformers load as a plain model."""
     plain = model.get_base_model()
-    weights = merged_parameters(model)
+    weights = dict(merged_parameters(model))
     tied = tied_output_name(model)
     if tied is not None:  # saved once, under the input embedding's name
         weights.pop(tied, None)
