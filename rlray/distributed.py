@@ -8,9 +8,10 @@ talking. Each learner's loss is its rows' share of the whole mini-batch's loss (
 by the mini-batch's token count over every learner), so the mini-batch's gradient is
 the SUM of the learners' gradients, not their mean: every sharded module's reduction
 is set to a plain sum (FSDP2 divides by the group size by default; measured on torch
-2.13 with gloo, where pytorch#162338 reported a sum instead, it does divide). FSDP2 gathers each layer's parameters for every forward and backward
-pass, so every learner must run the same number of micro-batches: one with no rows of
-its own runs a row with an all-zero loss mask.
+2.13 with gloo, where pytorch#162338 reported a sum instead, it does divide). FSDP2
+gathers each layer's parameters for every forward and backward pass, so every learner
+must run the same number of micro-batches: one with no rows of its own runs a row with
+an all-zero loss mask.
 """
 
 from __future__ import annotations
