@@ -3,9 +3,9 @@
 Nothing here holds business logic. `RolloutWorker`, `RewardWorker`, `EpisodeBuffer`,
 `Learner`, `EpisodeStore` and the ingestion service are the plain classes; this module
 starts them, in their roles' placement groups, as actors named `rollout-0`, `reward-0`,
-`buffer`, `learner`, `store` and `ingest`, adds the few methods that need Ray (fetching
-episode references, recording Ray metrics), and turns a dead or stuck actor into an
-`ActorFailure` that names it.
+`buffer`, `learner` (`learner-1`, ... beside it in a learner group), `store` and
+`ingest`, adds the few methods that need Ray (fetching episode references, recording Ray
+metrics), and turns a dead or stuck actor into an `ActorFailure` that names it.
 """
 
 from __future__ import annotations
@@ -123,13 +123,33 @@ class LearnerActor:
     """The Learner, plus what needs Ray: it resolves episode references itself, so
     episode data goes object store -> learner and never through the driver. It holds the
     Learner rather than being one so that this module, which every actor and the driver
-    import, does not import torch (~140 MB of private memory in each process)."""
+    import, does not import torch (~140 MB of private memory in each process).
 
-    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+    One of `world_size` learners: it is built in two steps, so that the group's rank 0
+    can name its address before any learner joins the group (`setup`)."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
+        self.rank, self.world_size = rank, world_size
+        self.learner_args, self.learner_kwargs = args, kwargs
+        self.telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Returns this node's address and a free port: rank 0's are the group's."""
+        from rlray.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, address: str, port: int, timeout_s: float) -> None:
+        """Joins the learner group (when there is more than one learner), then builds
+        the Learner: its models are sharded across the group."""
         from rlray.learner import Learner
 
-        self.learner = Learner(*args, **kwargs)
-        self.telemetry = Telemetry(run_id, "learner")
+        if self.world_size > 1:
+            from rlray.distributed import join_group
+
+            device = self.learner_kwargs.get("device", "cpu")
+            join_group(self.rank, self.world_size, address, port, device, timeout_s)
+        self.learner = Learner(*self.learner_args, **self.learner_kwargs)
 
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
         """Fetches the referenced episode batches and runs one learner step on them."""
@@ -275,6 +295,37 @@ class BufferActor(EpisodeBuffer):
         return taken
 
 
+class LearnerGroup:
+    """The learner actors of a run, called as one: `group.method.remote(...)` calls the
+    method on every learner (each takes part in the group's collectives) and returns
+    rank 0's result. A learner that fails fails rank 0's call too: its collectives lose
+    their peer."""
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    @property
+    def names(self) -> list[str]:
+        return learner_names(len(self.handles))
+
+    def __getattr__(self, method: str) -> _GroupCall:
+        return _GroupCall([getattr(handle, method) for handle in self.handles])
+
+
+def learner_names(count: int) -> list[str]:
+    """Returns the names of a group's learner actors: rank 0 is `learner`."""
+    return ["learner"] + [f"learner-{rank}" for rank in range(1, count)]
+
+
+class _GroupCall:
+    def __init__(self, methods: list[Any]):
+        self.methods = methods
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        refs = [method.remote(*args, **kwargs) for method in self.methods]
+        return refs[0]
+
+
 @dataclass
 class Actors:
     """Handles of one run's actors, by role, with their names. A collect-only run has no
@@ -286,7 +337,7 @@ class Actors:
     reward_names: list[str]
     store: Any
     buffer: Any = None
-    learner: Any = None
+    learner: LearnerGroup | None = None
     ingest: Any = None
     placement: Placement | None = None
 
@@ -301,16 +352,13 @@ class Actors:
 
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
-        singles = [
-            ("store", self.store),
-            ("buffer", self.buffer),
-            ("learner", self.learner),
-            ("ingest", self.ingest),
-        ]
+        singles = [("store", self.store), ("buffer", self.buffer), ("ingest", self.ingest)]
+        learners = self.learner or LearnerGroup([])
         return [
             *zip(self.rollout_names, self.rollout, strict=True),
             *zip(self.reward_names, self.reward, strict=True),
             *((name, handle) for name, handle in singles if handle is not None),
+            *zip(learners.names, learners.handles, strict=True),
         ]
 
     def kill(self) -> None:
@@ -401,7 +449,7 @@ def required_cpus(config: Config) -> float:
     return (
         config.rollout.num_workers * config.rollout.cpus_per_worker
         + config.reward.num_workers * config.reward.cpus_per_worker
-        + config.learner.cpus
+        + config.learner.num_workers * config.learner.cpus
     )
 
 
@@ -454,11 +502,12 @@ def start_actors(
             .options(name="buffer", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
             .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
         )
-        options = placement.actor_options("learner", 0)
-        actors.learner = _start_learner(config, model_path, run_id, checkpoint, options)
+        actors.learner = _start_learners(config, model_path, run_id, checkpoint, placement)
     try:
         for name, handle in actors.all():
             wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
+        if actors.learner is not None:
+            _set_up_learners(actors.learner, timeout)
     except ActorFailure:
         actors.kill()
         raise
@@ -507,27 +556,42 @@ def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) 
     )
 
 
-def _start_learner(
-    config: Config, model_path: str, run_id: str, checkpoint: str | None, options: dict
-) -> Any:
+def _start_learners(
+    config: Config, model_path: str, run_id: str, checkpoint: str | None, placement: Placement
+) -> LearnerGroup:
     device = "cuda" if config.learner.gpus > 0 else "cpu"
-    return (
-        ray.remote(LearnerActor)
-        .options(name="learner", **options)
-        .remote(
-            run_id,
-            _model_for_actors(config, model_path),
-            config.model,
-            config.algorithm,
-            config.learner,
-            max_new_tokens=config.completion_budget,
-            samples_per_prompt=config.rollout.samples_per_prompt,
-            temperature=config.rollout.temperature,
-            seed=config.seed,
-            device=device,
-            checkpoint=checkpoint,
+    count = config.learner.num_workers
+    group = LearnerGroup([])
+    for rank, name in enumerate(learner_names(count)):
+        handle = (
+            ray.remote(LearnerActor)
+            .options(name=name, **placement.actor_options("learner", rank))
+            .remote(
+                run_id,
+                rank,
+                count,
+                _model_for_actors(config, model_path),
+                config.model,
+                config.algorithm,
+                config.learner,
+                max_new_tokens=config.completion_budget,
+                samples_per_prompt=config.rollout.samples_per_prompt,
+                temperature=config.rollout.temperature,
+                seed=config.seed,
+                device=device,
+                checkpoint=checkpoint,
+            )
         )
-    )
+        group.handles.append(handle)
+    return group
+
+
+def _set_up_learners(group: LearnerGroup, timeout_s: float) -> None:
+    """Has every learner join the group at rank 0's address and build its Learner."""
+    address, port = wait_for(group.handles[0].rendezvous.remote(), "learner", "start-up", timeout_s)
+    refs = [handle.setup.remote(address, port, timeout_s) for handle in group.handles]
+    for name, ref in zip(group.names, refs, strict=True):
+        wait_for(ref, name, "start-up", timeout_s)
 
 
 def _model_for_actors(config: Config, model_path: str) -> str:

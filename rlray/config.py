@@ -322,10 +322,15 @@ class LearnerConfig:
     """Evaluate held-out accuracy every this many steps (and at step 0 and the end)."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (and at the end)."""
+    num_workers: int = 1
+    """Learner actors: one process group (gloo on CPU, NCCL on GPU) over which the
+    models, gradients and optimizer state are sharded with FSDP2, each learner taking
+    its share of every batch's tokens. The run directory must be one every learner
+    sees (each writes its shard of a checkpoint)."""
     cpus: float = 1.0
-    """CPUs reserved for the learner actor."""
+    """CPUs reserved for each learner actor."""
     gpus: float = 0.0
-    """GPUs reserved for the learner actor (0 = train on CPU)."""
+    """GPUs reserved for each learner actor (0 = train on CPU)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
     its own."""
@@ -698,6 +703,7 @@ def validate(config: Config) -> None:
         "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
         "learner.episodes_per_step": learner.episodes_per_step,
+        "learner.num_workers": learner.num_workers,
         "learner.epochs": learner.epochs,
         "learner.minibatch_size": learner.minibatch_size,
         "learner.micro_batch_size": learner.micro_batch_size,
@@ -748,6 +754,10 @@ def validate(config: Config) -> None:
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
     _check_lora(config.model.lora)
+    if config.model.lora.rank and learner.num_workers > 1:
+        raise ConfigError(
+            "model.lora with learner.num_workers > 1: LoRA adapters train in one learner"
+        )
     upper = {  # name: (value, largest allowed, why)
         "rollout.gpu_memory_utilization": (r.gpu_memory_utilization, 1.0, "a share"),
         "ingest.port": (config.ingest.port, 65535, "a TCP port"),

@@ -52,6 +52,34 @@ def join_group(
     )
 
 
+def rank_and_size() -> tuple[int, int]:
+    """Returns this learner's rank and the group's size: (0, 1) outside a group."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """Returns a tensor whole: a sharded one (a DTensor) all-gathered from every learner,
+    so every learner must call it at the same point; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gather_objects(value: object) -> list[object]:
+    """Returns every learner's `value`, by rank ([value] outside a group)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def barrier() -> None:
+    """Waits until every learner of the group is here (nothing outside a group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def shard(model: nn.Module, device_type: str) -> nn.Module:
     """Shards the model's parameters (and so its gradients and optimizer state) across
     the process group with FSDP2: each decoder layer on its own, so that only one layer
@@ -61,7 +89,12 @@ def shard(model: nn.Module, device_type: str) -> nn.Module:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    # transformers names its decoder layer classes; a critic's is on its trunk.
+    layer_classes = {
+        name
+        for module in model.modules()
+        for name in getattr(module, "_no_split_modules", None) or []
+    }
     for module in model.modules():
         if type(module).__name__ in layer_classes:
             fully_shard(module, mesh=mesh)
@@ -76,13 +109,10 @@ def shard(model: nn.Module, device_type: str) -> nn.Module:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Returns every parameter and buffer of a (sharded) model as a whole CPU tensor:
-    all-gathered, so every learner of the group must call it."""
-    state = {}
-    for name, value in model.state_dict().items():
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value
-        state[name] = full.detach().cpu()
-    return state
+    """Returns a copy of every parameter and buffer of a (sharded) model as a whole CPU
+    tensor: all-gathered, so every learner of the group must call it."""
+    state = model.state_dict().items()
+    return {name: whole(value).detach().to("cpu", copy=True) for name, value in state}
 
 
 def split_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:

@@ -471,7 +471,7 @@ class TrainingDriver:
             logger.warning("%s; making it again", failure)
             return
         name = self.actors.name_of(failure.actor_id) or name  # the one that died
-        if name == "learner":  # not restarted: its weights would be lost
+        if name.startswith("learner"):  # not restarted: its weights would be lost
             raise ActorFailure(f"learner died; {failure}", died=True) from failure
         logger.warning("%s; waiting for Ray to restart %s", failure, name)
         self._wait_until_up(name, failure)

@@ -5,7 +5,14 @@ An `Engine` holds the policy (fp32 master weights), and when asked a frozen refe
 model and a critic (a trunk of the starting model plus a linear value head). It knows
 nothing of advantages or losses: `train` runs epochs of mini-batches of micro-batches
 and asks a loss function (the algorithm's, through the learner) for each micro-batch's
-loss. A later multi-device engine replaces this class behind the same methods.
+loss.
+
+A learner group (`learner.num_workers` > 1, rlray/distributed.py): when the process is
+one of a torch.distributed group, the policy, the reference and the critic are sharded
+with FSDP2 across it, and every method here is collective: each learner calls it with
+the whole batch, works on its share of the rows (split by tokens) and the results are
+gathered, so every learner returns what one learner would. Outside a group the same
+code runs with a group of one (nothing sharded, every row its own).
 
 Memory: logits are computed only at the completion positions (prompts are left-padded
 so that every completion starts at the same column and `logits_to_keep` cuts the rest),
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlray import distributed as dd
 from rlray import rl_math as rm
 from rlray.weights import merged_parameters, tied_output_name
 
@@ -56,7 +65,8 @@ class ValueModel(nn.Module):
         hidden = self.trunk(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state[:, -keep:]
-        return self.head(hidden).squeeze(-1)  # (B, keep)
+        # A new tensor, not a view: FSDP2 hooks a sharded module's output for backward.
+        return self.head(hidden)[..., 0].clone()  # (B, keep)
 
 
 @dataclass
@@ -194,18 +204,34 @@ class Engine:
             self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self.reference.to(self.device).requires_grad_(False).eval()
         self.critic = None
-        groups = [{"params": self.trainable_parameters(), "lr": lr}]
         if with_critic:
             # A checkpoint of a run without a critic (another estimator) has none to load.
             has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
             trunk_path = f"{checkpoint}/critic" if has_critic else model_path
             trunk = self._load(AutoModel, trunk_path, gradient_checkpointing)
             self.critic = ValueModel(trunk, self.policy.config.hidden_size).to(self.device)
+            head_path = Path(trunk_path, "value_head.pt")
+            if has_critic and head_path.is_file():
+                self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        self.rank, self.world_size = dd.rank_and_size()
+        if self.world_size > 1:
+            self._shard()
+        groups = [{"params": self.trainable_parameters(), "lr": lr}]
+        if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
         self.shuffle = torch.Generator().manual_seed(seed)
         if checkpoint:
             self._load_state(Path(checkpoint))
+
+    def _shard(self) -> None:
+        """Shards every model across the learner group (before the optimizer exists: its
+        state is then sharded too)."""
+        if self.lora:
+            raise ValueError("LoRA adapters in a learner group (learner.num_workers > 1)")
+        for model in (self.policy, self.reference, self.critic):
+            if model is not None:
+                dd.shard(model, self.device.type)
 
     def _load(self, auto_class: Any, path: str, gradient_checkpointing: bool) -> nn.Module:
         model = auto_class.from_pretrained(path, dtype=torch.float32).to(self.device)
@@ -214,6 +240,13 @@ class Engine:
             model.gradient_checkpointing_enable()
         model.train()  # gradient checkpointing acts in training mode only; no dropout left
         return model
+
+    def trained_models(self) -> nn.ModuleDict:
+        """The models the optimizer updates, by name (the keys of its saved state)."""
+        models = {"policy": self.policy}
+        if self.critic is not None:
+            models["critic"] = self.critic
+        return nn.ModuleDict(models)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Returns the policy's parameters that train: all of them, or with LoRA the
@@ -264,43 +297,72 @@ class Engine:
     def score(self, batch: TokenBatch, with_values: bool = True) -> Outputs:
         """Returns the policy's logprobs (and the critic's values) of every row, without
         gradients, `micro_batch_size` rows at a time."""
-        parts = [self._score_rows(batch.rows(rows), with_values) for rows in self._chunks(batch)]
-        values = [p.values for p in parts]
-        return Outputs(
-            logp=torch.cat([p.logp for p in parts]),
-            values=torch.cat(values) if values[0] is not None else None,
-        )
+        with_values = with_values and self.critic is not None
 
-    @torch.no_grad()
-    def _score_rows(self, batch: TokenBatch, with_values: bool) -> Outputs:
-        with self._compute():
-            logits = self._completion_logits(self.policy, batch)
-            values = self._values(batch) if with_values and self.critic is not None else None
-        return Outputs(rm.token_logprobs(logits, batch.completion_ids), values=values)
+        def score_rows(micro: TokenBatch) -> dict[str, torch.Tensor]:
+            with self._compute():
+                logits = self._completion_logits(self.policy, micro)
+                values = self._values(micro) if with_values else None
+            logp = rm.token_logprobs(logits, micro.completion_ids)
+            return {"logp": logp} if values is None else {"logp": logp, "values": values}
 
-    @torch.no_grad()
+        scored = self._each_row(batch, score_rows)
+        return Outputs(logp=scored["logp"], values=scored.get("values"))
+
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
         """Returns the reference model's (B, T) logprobs, or None if none is held: the
         frozen starting model, or with LoRA the policy with its adapters disabled."""
         if not self.with_reference:
             return None
         model = self.reference if self.reference is not None else self.policy
-        parts = []
+
+        def reference_rows(micro: TokenBatch) -> dict[str, torch.Tensor]:
+            with self._compute():
+                logits = self._completion_logits(model, micro)
+            return {"logp": rm.token_logprobs(logits, micro.completion_ids)}
+
         with self._reference_mode():
-            for rows in self._chunks(batch):
-                micro = batch.rows(rows)
-                with self._compute():
-                    logits = self._completion_logits(model, micro)
-                parts.append(rm.token_logprobs(logits, micro.completion_ids))
-        return torch.cat(parts)
+            return self._each_row(batch, reference_rows)["logp"]
+
+    @torch.no_grad()
+    def _each_row(
+        self, batch: TokenBatch, rows_fn: Callable[[TokenBatch], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """Returns rows_fn's (B, T) outputs for every row of the batch: each learner runs
+        it on its own rows, a micro-batch at a time, and the outputs are gathered."""
+        rows = torch.arange(batch.size, device=self.device)
+        own: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        for micro_rows in self._micro_batches(batch, rows):
+            if micro_rows is None:  # nothing left here, but the group's passes go on
+                rows_fn(batch.rows(rows[:1]))
+                continue
+            outputs = rows_fn(batch.rows(micro_rows))
+            own.append((micro_rows.cpu(), {k: v.cpu() for k, v in outputs.items()}))
+        result: dict[str, torch.Tensor] = {}
+        for learner_rows in dd.gather_objects(own):
+            for micro_rows, outputs in learner_rows:
+                for key, value in outputs.items():
+                    if key not in result:
+                        result[key] = value.new_zeros(batch.size, *value.shape[1:])
+                    result[key][micro_rows] = value
+        return {key: value.to(self.device) for key, value in result.items()}
+
+    def _micro_batches(self, batch: TokenBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """Returns this learner's share of `rows` (balanced by tokens across the group;
+        all of them outside one) in as many micro-batches as the busiest learner runs:
+        None where this learner has no row left, as FSDP2 needs every learner to run
+        the same forward and backward passes."""
+        lengths = batch.attention_mask[rows].sum(dim=1).tolist()
+        owned = dd.split_by_tokens(lengths, self.world_size)
+        count = dd.micro_batch_count([len(o) for o in owned], self.micro_batch_size)
+        return [
+            rows[torch.tensor(micro, dtype=torch.long, device=rows.device)] if micro else None
+            for micro in dd.micro_batches(owned[self.rank], count)
+        ]
 
     def _reference_mode(self) -> contextlib.AbstractContextManager:
         """With LoRA, the policy without its adapters is the base model, exactly."""
         return self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
-
-    def _chunks(self, batch: TokenBatch) -> Iterator[torch.Tensor]:
-        index = torch.arange(batch.size, device=batch.input_ids.device)
-        yield from index.split(self.micro_batch_size)
 
     # ------------------------------------------------------------------ updates
 
@@ -328,21 +390,26 @@ class Engine:
                     tokens=float(mask.sum()), sequences=float((mask.sum(dim=1) > 0).sum())
                 )
                 summed: dict[str, float] = {}
-                for rows in minibatch.split(self.micro_batch_size):
+                for rows in self._micro_batches(batch, minibatch):
+                    idle = rows is None  # this learner's rows are done; the group's are not
+                    rows = minibatch[:1] if idle else rows
                     outputs = self.forward(batch.rows(rows), entropy_grad)
                     loss, metrics = loss_fn(outputs, rows, totals)
-                    loss.backward()
-                    for key, value in metrics.items():
+                    (loss * 0.0 if idle else loss).backward()
+                    for key, value in {} if idle else metrics.items():
                         summed[key] = summed.get(key, 0.0) + value
+                summed = _sum_over_learners(summed)
                 summed["grad_norm"] = self._optimizer_step()
                 updates.append(summed)
         return updates
 
     def _optimizer_step(self) -> float:
-        norm = nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
+        # A sharded model's norm is the whole gradient's (a DTensor every learner agrees on).
+        norm = dd.whole(nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm))
         norms = {"policy": norm}
         if self.critic is not None:
-            norms["critic"] = nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+            critic = nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+            norms["critic"] = dd.whole(critic)
         for model, value in norms.items():
             if not torch.isfinite(value):  # a finite loss can still overflow backward
                 self.optimizer.zero_grad(set_to_none=True)
@@ -356,25 +423,69 @@ class Engine:
     def save(self, directory: Path, tokenizer: Any) -> None:
         """Writes the policy (HF format, with the tokenizer; with LoRA the merged model,
         and the adapters apart), the critic, the optimizer and the random states into
-        `directory`."""
+        `directory`. Collective in a group: rank 0 writes the whole models, gathered a
+        tensor at a time, and every learner writes its shard of the optimizer's state
+        (torch.distributed.checkpoint, which a group of another size can load)."""
+        from torch.distributed.checkpoint import save as save_sharded
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        policy = self._whole_state(self.policy)
+        critic = self._whole_state(self.critic) if self.critic is not None else None
+        if self.rank == 0:
+            self._save_models(directory, tokenizer, policy, critic)
+        optimizer = get_optimizer_state_dict(self.trained_models(), self.optimizer)
+        with _one_process_is_intended():
+            save_sharded(
+                {"optimizer": optimizer},
+                checkpoint_id=directory / "optimizer",
+                no_dist=self.world_size == 1,
+            )
+        if self.rank == 0:
+            torch.save(
+                {
+                    "shuffle_rng": self.shuffle.get_state(),
+                    "torch_rng": torch.random.get_rng_state(),
+                    "python_rng": random.getstate(),
+                },
+                directory / "trainer_state.pt",
+            )
+
+    def _whole_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Returns the model's state dict whole on rank 0's CPU (None elsewhere); outside
+        a group, None: the model saves itself."""
+        if self.world_size == 1:
+            return None
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # Collective: every learner gathers, and only rank 0 keeps (cpu_offload).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if self.rank == 0 else None
+
+    def _save_models(
+        self,
+        directory: Path,
+        tokenizer: Any,
+        policy: dict[str, torch.Tensor] | None,
+        critic: dict[str, torch.Tensor] | None,
+    ) -> None:
         if self.lora:
             self.policy.save_pretrained(directory / "adapter")
             save_merged(self.policy, directory / "policy")
         else:
-            self.policy.save_pretrained(directory / "policy")
+            self.policy.save_pretrained(directory / "policy", state_dict=policy)
         tokenizer.save_pretrained(directory / "policy")
         if self.critic is not None:
-            self.critic.trunk.save_pretrained(directory / "critic")
-            torch.save(self.critic.head.state_dict(), directory / "critic" / "value_head.pt")
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "shuffle_rng": self.shuffle.get_state(),
-                "torch_rng": torch.random.get_rng_state(),
-                "python_rng": random.getstate(),
-            },
-            directory / "trainer_state.pt",
-        )
+            head = self.critic.head.state_dict()
+            trunk = None
+            if critic is not None:  # gathered: split into the trunk's and the head's
+                trunk = _under(critic, "trunk.")
+                head = _under(critic, "head.")
+            self.critic.trunk.save_pretrained(directory / "critic", state_dict=trunk)
+            torch.save(head, directory / "critic" / "value_head.pt")
 
     def _load_state(self, checkpoint: Path) -> None:
         adapter = checkpoint / "adapter"
@@ -386,16 +497,50 @@ class Engine:
             )
         if self.lora:
             load_adapter(self.policy, adapter)
-        head_path = checkpoint / "critic" / "value_head.pt"
-        if self.critic is not None and head_path.is_file():
-            self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        self._load_optimizer(checkpoint / "optimizer")
         trainer = torch.load(
             checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False
         )
-        self.optimizer.load_state_dict(trainer["optimizer"])
         self.shuffle.set_state(trainer["shuffle_rng"])
         torch.random.set_rng_state(trainer["torch_rng"])
         random.setstate(trainer["python_rng"])
+
+    def _load_optimizer(self, directory: Path) -> None:
+        """Loads the optimizer's state, resharded to this group whatever the size of the
+        group that saved it."""
+        from torch.distributed.checkpoint import load as load_sharded
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        models = self.trained_models()
+        state = {"optimizer": get_optimizer_state_dict(models, self.optimizer)}
+        with _one_process_is_intended():
+            load_sharded(state, checkpoint_id=directory, no_dist=self.world_size == 1)
+        set_optimizer_state_dict(models, self.optimizer, optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Silences torch.distributed.checkpoint's warning that it runs in one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Returns the entries of a state dict under `prefix`, named without it."""
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _sum_over_learners(metrics: dict[str, float]) -> dict[str, float]:
+    """Returns each metric summed over the learner group (its own values outside one)."""
+    summed: dict[str, float] = {}
+    for values in dd.gather_objects(metrics):
+        for key, value in values.items():
+            summed[key] = summed.get(key, 0.0) + value
+    return summed
 
 
 def with_lora(model: nn.Module, rank: int, alpha: float, targets: list[str]) -> nn.Module:

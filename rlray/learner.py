@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rlray import distributed as dd
 from rlray import rl_math as rm
 from rlray.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
 from rlray.checkpoints import LATEST
@@ -319,7 +320,8 @@ class Learner:
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """Returns the HF-named weights the rollout workers load, in their dtype, on CPU."""
-        return publishable_weights(self.engine.policy, self.rollout_dtype)
+        keep = self.engine.rank == 0  # the group's rank 0 publishes
+        return publishable_weights(self.engine.policy, self.rollout_dtype, keep=keep)
 
     @property
     def tied_output(self) -> str | None:
@@ -328,14 +330,22 @@ class Learner:
 
     def save_checkpoint(self, run_dir: str | Path, prompt_cursor: int) -> Path:
         """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
-        cursor) atomically and points checkpoints/latest at it; returns its path."""
+        cursor) atomically and points checkpoints/latest at it; returns its path. In a
+        learner group every learner calls it and writes its shard of the optimizer state
+        (the run directory must be one that every learner sees); rank 0 the rest."""
         root = Path(run_dir) / "checkpoints"
         final = root / f"step-{self.version:06d}"
         staging = root / f".staging-{self.version:06d}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        self.engine.save(staging, self.tokenizer)
         self.prompt_cursor = prompt_cursor
+        writer = self.engine.rank == 0
+        if writer:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        dd.barrier()  # the staging directory exists for every learner
+        self.engine.save(staging, self.tokenizer)
+        dd.barrier()  # every learner's shard is written
+        if not writer:
+            return final
         state = {
             "version": self.version,
             "step": self.version,

@@ -3,7 +3,7 @@
 Rollout workers, reward workers and the learner each reserve a placement group before
 their actors start: one bundle per actor ({CPU, GPU, custom resources}), with the role's
 strategy (rollout SPREAD by default, so that rollout workers land on different nodes
-when there are several; the learner's single bundle STRICT_PACK). On a GPU cluster the
+when there are several; the learners PACK, on one node where they fit). On a GPU cluster the
 bundles hold GPUs; here, CPUs. A group that cannot be placed within the start-up
 timeout is reported with what it needed and what the cluster has.
 """
@@ -57,8 +57,9 @@ def role_resources(config: Config) -> dict[str, RoleResources]:
             reward.resources,
             reward.placement_strategy,
         ),
+        # PACK: one node when the group fits on one, across nodes when it does not.
         "learner": RoleResources(
-            "learner", 1, learner.cpus, learner.gpus, learner.resources, "STRICT_PACK"
+            "learner", learner.num_workers, learner.cpus, learner.gpus, learner.resources, "PACK"
         ),
     }
 

@@ -25,18 +25,27 @@ import torch
 from torch import nn
 
 
-def publishable_weights(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def publishable_weights(
+    model: nn.Module, dtype: torch.dtype, keep: bool = True
+) -> dict[str, torch.Tensor]:
     """Returns every parameter of this transformers causal LM under its HF name, cast to
     `dtype`, on CPU; a tied output embedding also under its own name (`lm_head.weight`),
-    sharing the input embedding's tensor.
+    sharing the input embedding's tensor. In a learner group every learner calls it
+    (each tensor is gathered from all of them) and only the one that publishes keeps
+    the weights: the others pass `keep=False` and get {}.
 
     Where no cast or move is needed the tensors share memory with the model's
     parameters: serialize them before the next optimizer step.
     """
     # Parameters only: buffers (rotary inv_freq, Gemma2's embed_scale) follow from the
     # config, are never trained, and vLLM builds its own.
-    # One merged layer at a time: each float32 merge is freed once cast.
-    weights = {name: tensor.to("cpu", dtype) for name, tensor in merged_parameters(model)}
+    # One merged (or gathered) tensor at a time: each float32 one is freed once cast.
+    weights = {}
+    for name, tensor in merged_parameters(model):
+        if keep:
+            weights[name] = tensor.to("cpu", dtype)
+    if not keep:
+        return {}
     tied = _tied_output_embedding(_transformers_model(model))
     if tied is not None:
         output_name, input_name = tied
@@ -70,7 +79,9 @@ def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         layer, found, leaf = name.rpartition(".base_layer.")
         if not found:
-            yield name, param.detach()
+            # A learner group's parameter is a shard (a DTensor): gathered here, one
+            # tensor at a time, by every learner of the group at once.
+            yield name, _whole(param.detach())
         elif leaf != "weight":  # a bias: LoRA adapts weights only
             yield f"{layer}.{leaf}", param.detach()
         else:
@@ -79,6 +90,10 @@ def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             with torch.no_grad():
                 merged = param + sum(module.get_delta_weight(a) for a in module.active_adapters)
             yield f"{layer}.{leaf}", merged
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 # PEFT's adapter tensors: lora_A/lora_B (linear layers), lora_embedding_A/B, DoRA's
