@@ -51,10 +51,15 @@ def build(name: str, out: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def random_batch(name: str, device: str) -> TokenBatch:
-    *_, vocab, steps = SIZES[name]
+def random_batch(
+    name: str, device: str, sequences: int = SEQUENCES, steps: int | None = None
+) -> TokenBatch:
+    """Returns `sequences` random completions (of the size's length, or `steps` tokens)
+    of one random prompt."""
+    *_, vocab, size_steps = SIZES[name]
+    steps = steps or size_steps
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (PROMPT,), generator=generator).tolist()] * SEQUENCES
+    prompts = [torch.randint(0, vocab, (PROMPT,), generator=generator).tolist()] * sequences
     completions = [torch.randint(0, vocab, (steps,), generator=generator).tolist() for _ in prompts]
     return collate(prompts, completions, 0).to(torch.device(device))
 
