@@ -154,6 +154,10 @@ class RolloutConfig:
     """CPUs reserved per rollout actor."""
     gpus_per_worker: float = 0.0
     """GPUs reserved per rollout actor (0 = vLLM CPU build)."""
+    tensor_parallel_size: int = 1
+    """GPUs one rollout worker's vLLM engine spans (tensor parallelism, through vLLM's
+    Ray executor). Above 1 each rollout worker gets a placement group of its own, one
+    GPU bundle per rank, all on one node (STRICT_PACK); gpus_per_worker must equal it."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
     nodes started with `ray start --resources '{"rollout_node": 4}'`."""
@@ -699,6 +703,7 @@ def validate(config: Config) -> None:
         "rollout.samples_per_prompt": r.samples_per_prompt,
         "rollout.max_new_tokens": r.max_new_tokens,
         "rollout.max_turns": r.max_turns,
+        "rollout.tensor_parallel_size": r.tensor_parallel_size,
         "reward.num_workers": config.reward.num_workers,
         "reward.batch_size": config.reward.batch_size,
         "buffer.capacity_episodes": b.capacity_episodes,
@@ -754,6 +759,12 @@ def validate(config: Config) -> None:
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
     _check_lora(config.model.lora)
+    if r.tensor_parallel_size > 1 and r.gpus_per_worker != r.tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size {r.tensor_parallel_size} needs "
+            f"rollout.gpus_per_worker {r.tensor_parallel_size} (a GPU per rank), "
+            f"got {r.gpus_per_worker}"
+        )
     if config.model.lora.rank and learner.num_workers > 1:
         raise ConfigError(
             "model.lora with learner.num_workers > 1: LoRA adapters train in one learner"

@@ -160,6 +160,10 @@ class RolloutWorker:
         engine_args = {}
         if rollout.gpus_per_worker > 0:
             engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        if rollout.tensor_parallel_size > 1:
+            # Ranks as Ray actors in this worker's placement group (rlray/placement.py).
+            engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size
+            engine_args["distributed_executor_backend"] = "ray"
         else:
             engine_args["block_size"] = KV_BLOCK_TOKENS
             if rollout.kv_cache_gib == 0:

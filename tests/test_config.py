@@ -251,6 +251,16 @@ def test_missing_config_file_is_named(tmp_path):
             ["--model.lora.rank", "8", "--model.lora.target_modules", "[all-linear, q_proj]"],
             r"^model.lora.target_modules: all-linear stands alone$",
         ),
+        (
+            ["--model.lora.rank", "8", "--learner.num_workers", "2"],
+            r"^model.lora with learner.num_workers > 1: LoRA adapters train in one learner$",
+        ),
+        (["--learner.num_workers", "0"], r"^learner.num_workers must be > 0, got 0$"),
+        (
+            ["--rollout.tensor_parallel_size", "2", "--rollout.gpus_per_worker", "1"],
+            r"^rollout.tensor_parallel_size 2 needs rollout.gpus_per_worker 2 \(a GPU per "
+            r"rank\), got 1.0$",
+        ),
         (["--learner.lr", ".inf"], r"^learner.lr must be finite, got inf$"),
         (["--rollout.temperature", ".nan"], r"^rollout.temperature must be finite, got nan$"),
         (["--algorithm.clip_high=-.inf"], r"^algorithm.clip_high must be finite, got -inf$"),

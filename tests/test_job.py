@@ -217,6 +217,10 @@ def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(five_step_run
     # (FSDP2-sharded, each with its share of the tokens), before its resume.
     first, second = metrics(root / "a")[:3], metrics(root / "resumed")[:3]
     assert [r["step"] for r in second] == [1, 2, 3]
+    # Both learners wrote their shard of the optimizer state (torch.distributed.checkpoint
+    # names a rank's file __<rank>_0).
+    optimizer = root / "resumed" / "checkpoints" / "step-000003" / "optimizer"
+    assert sorted(p.name for p in optimizer.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for one, two in zip(first, second, strict=True):
         # Same seed, same samples: the group's weights differ from the single learner's
         # by summation order only (~1e-6), too little to change one sampled token.

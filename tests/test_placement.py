@@ -1,0 +1,99 @@
+"""Placement groups per role: the learner group's bundles, and a tensor-parallel rollout
+worker's group of its own, whose GPU bundles its engine's rank workers (vLLM's Ray
+executor, started from the actor) take. The second runs in a Ray of its own that
+declares 2 logical GPUs (the session's cluster has none): Ray hands out GPU ids to the
+rank tasks as it would on a GPU node; nothing here needs a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from rlray.config import Config
+from rlray.placement import role_resources
+from tests.jobs_helper import REPO
+
+
+def tensor_parallel_config() -> Config:
+    config = Config()
+    config.rollout.num_workers = 2
+    config.rollout.gpus_per_worker = 2
+    config.rollout.tensor_parallel_size = 2
+    config.rollout.cpus_per_worker = 1.0
+    config.learner.num_workers = 3
+    config.learner.gpus = 1
+    return config
+
+
+def test_each_tensor_parallel_worker_gets_a_strict_pack_group_of_a_gpu_per_rank():
+    roles = role_resources(tensor_parallel_config())
+    ranks = [{"CPU": 1.0, "GPU": 1.0}, {"GPU": 1.0}]
+    assert roles["rollout"].groups() == [(ranks, "STRICT_PACK"), (ranks, "STRICT_PACK")]
+    # Learners: one group, a bundle per learner, packed onto as few nodes as fit.
+    assert roles["learner"].groups() == [([{"CPU": 1.0, "GPU": 1.0}] * 3, "PACK")]
+    config = Config()
+    assert role_resources(config)["rollout"].groups() == [([{"CPU": 1.0}], "SPREAD")]
+
+
+PROBE = textwrap.dedent(
+    """
+    import json, ray
+    from ray.util import get_current_placement_group
+    from rlray.placement import Placement, role_resources
+    from tests.test_placement import tensor_parallel_config
+
+    ray.init("local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    placement = Placement("probe")
+    roles = role_resources(tensor_parallel_config())
+    assert placement.reserve(roles["rollout"], timeout_s=60) is None
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def rank():  # as vLLM's Ray executor starts a rank worker: a GPU, no CPU
+        return ray.get_gpu_ids()[0], get_current_placement_group().id.hex()
+
+    @ray.remote
+    class Worker:  # stands for the rollout actor that owns the engine
+        def ranks(self):
+            group = get_current_placement_group().id.hex()
+            return group, ray.get([rank.remote() for _ in range(2)]), ray.get_gpu_ids()
+
+    workers = [
+        Worker.options(**placement.actor_options("rollout", i)).remote() for i in range(2)
+    ]
+    found = ray.get([w.ranks.remote() for w in workers], timeout=60)
+    groups = [g.id.hex() for g in placement.groups["rollout"]]
+    print(json.dumps({"groups": groups, "found": found}))
+    """
+)
+
+
+def without_ray_address(env: os._Environ) -> dict[str, str]:
+    """The environment without RAY_ADDRESS: the probe starts a Ray of its own."""
+    return {key: value for key, value in env.items() if key != "RAY_ADDRESS"}
+
+
+def test_a_tensor_parallel_workers_ranks_take_the_gpus_of_its_own_group(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**without_ray_address(os.environ), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    used = set()
+    found = zip(probe["groups"], probe["found"], strict=True)
+    for group, (actor_group, ranks, actor_gpus) in found:
+        assert actor_group == group and actor_gpus == []  # the actor holds no GPU itself
+        assert [rank_group for _, rank_group in ranks] == [group, group]  # captured
+        gpus = {gpu for gpu, _ in ranks}
+        assert len(gpus) == 2  # a GPU per rank
+        used |= gpus
+    assert len(used) == 4  # the two workers' ranks share no GPU
