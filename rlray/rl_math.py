@@ -1,5 +1,6 @@
 """The RL math as pure functions on tensors: advantage estimators, policy and value
-losses, loss aggregation, KL estimators, rollout correction.
+losses, loss aggregation, KL estimators, rollout correction, preference losses (DPO,
+IPO, Bradley-Terry).
 
 Nothing here knows about Ray, configs or models. Every function takes tensors and
 plain numbers and returns tensors created on the device of its inputs, so each one is
@@ -434,6 +435,52 @@ def logprob_mismatch(
         "max": gap.max() if gap.numel() else gap.sum(),
         "outside_share": masked_mean(far, mask),
     }
+
+
+# ---------------------------------------------------------------- preference losses
+#
+# Pairs of completions of one prompt, chosen (y_w) over rejected (y_l). `*_logp` are
+# (B,) sequence logprobs (the sum over the completion's policy tokens) of the policy and
+# of the frozen reference model.
+
+
+def preference_margins(
+    chosen_logp: torch.Tensor,
+    rejected_logp: torch.Tensor,
+    ref_chosen_logp: torch.Tensor,
+    ref_rejected_logp: torch.Tensor,
+) -> torch.Tensor:
+    """Returns (B,) h = [log pi(y_w) - log ref(y_w)] - [log pi(y_l) - log ref(y_l)]: how
+    much more the policy than the reference prefers the chosen completion."""
+    return (chosen_logp - ref_chosen_logp) - (rejected_logp - ref_rejected_logp)
+
+
+def dpo_loss(margins: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Returns (B,) sigmoid DPO losses -log sigmoid(beta h); with label smoothing eps
+    (the chosen label is wrong with probability eps, "conservative DPO"),
+    -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)."""
+    scaled = beta * margins
+    logsigmoid = torch.nn.functional.logsigmoid
+    return -(1.0 - label_smoothing) * logsigmoid(scaled) - label_smoothing * logsigmoid(-scaled)
+
+
+def ipo_loss(margins: torch.Tensor, beta: float) -> torch.Tensor:
+    """Returns (B,) IPO losses (h - 1 / (2 beta))^2: the margin is pulled to a fixed
+    target instead of pushed without bound. IPO's h is usually taken over per-token mean
+    logprobs (the caller's choice)."""
+    return (margins - 1.0 / (2.0 * beta)) ** 2
+
+
+def implicit_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """Returns (B,) DPO's implicit rewards beta (log pi(y) - log ref(y)); the chosen one
+    above the rejected one is a correctly ranked pair."""
+    return beta * (logp - ref_logp)
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) reward-model losses -log sigmoid(r(y_w) - r(y_l)): the negative log
+    likelihood of the preference under the Bradley-Terry model."""
+    return -torch.nn.functional.logsigmoid(chosen_scores - rejected_scores)
 
 
 # ---------------------------------------------------------------- finiteness

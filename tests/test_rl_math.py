@@ -423,6 +423,62 @@ def test_logprob_mismatch_hand_values():
 # ---------------------------------------------------------------- devices
 
 
+# ---------------------------------------------------------------- preference losses
+
+
+def test_preference_margin_is_the_policys_gain_over_the_reference():
+    # chosen: policy -2, reference -3 (+1); rejected: policy -5, reference -4 (-1): h = 2
+    h = rm.preference_margins(
+        torch.tensor([-2.0]), torch.tensor([-5.0]), torch.tensor([-3.0]), torch.tensor([-4.0])
+    )
+    torch.testing.assert_close(h, torch.tensor([2.0]))
+
+
+def test_dpo_loss_hand_values():
+    h = torch.tensor([math.log(3.0), 0.0, -math.log(3.0)])
+    # beta 1: sigmoid(ln 3) = 3/4, sigmoid(0) = 1/2, sigmoid(-ln 3) = 1/4
+    want = torch.tensor([-math.log(0.75), LN2, -math.log(0.25)])
+    torch.testing.assert_close(rm.dpo_loss(h, beta=1.0), want)
+    # beta 0.5 on 2h is beta 1 on h
+    torch.testing.assert_close(rm.dpo_loss(2 * h, beta=0.5), want)
+    # label smoothing 0.1: 0.9 (-ln 3/4) + 0.1 (-ln 1/4) = 0.258914 + 0.138629
+    smoothed = rm.dpo_loss(h[:1], beta=1.0, label_smoothing=0.1)
+    torch.testing.assert_close(smoothed, torch.tensor([0.397543]), atol=1e-6, rtol=0)
+
+
+def test_dpo_loss_invariances_and_gradient():
+    h = torch.tensor([-1.3, 0.2, 2.5], requires_grad=True)
+    # Smoothing 0.5 cannot tell chosen from rejected: the loss is even in h.
+    torch.testing.assert_close(rm.dpo_loss(h, 0.7, 0.5), rm.dpo_loss(-h, 0.7, 0.5))
+    # d/dh -log sigmoid(beta h) = -beta sigmoid(-beta h): always raises the margin,
+    # most where the pair is ranked wrong.
+    rm.dpo_loss(h, beta=0.7).sum().backward()
+    torch.testing.assert_close(h.grad, -0.7 * torch.sigmoid(-0.7 * h.detach()))
+    assert h.grad[0].abs() > h.grad[2].abs()
+    # The same constant added to a completion's policy and reference logprobs (a
+    # shared prefix, say) changes nothing.
+    args = [torch.tensor([-2.0]), torch.tensor([-5.0]), torch.tensor([-3.0]), torch.tensor([-4.0])]
+    shifted = [args[0] + 7, args[1] - 2, args[2] + 7, args[3] - 2]
+    torch.testing.assert_close(rm.preference_margins(*shifted), rm.preference_margins(*args))
+
+
+def test_ipo_loss_hand_values():
+    # beta 0.5: target 1 / (2 beta) = 1; h = 3 -> 4, h = 1 -> 0, h = -1 -> 4
+    torch.testing.assert_close(
+        rm.ipo_loss(torch.tensor([3.0, 1.0, -1.0]), beta=0.5), torch.tensor([4.0, 0.0, 4.0])
+    )
+
+
+def test_implicit_rewards_and_bradley_terry_hand_values():
+    rewards = rm.implicit_rewards(torch.tensor([-2.0, -6.0]), torch.tensor([-3.0, -4.0]), 0.1)
+    torch.testing.assert_close(rewards, torch.tensor([0.1, -0.2]))
+    # r_w - r_l = ln 3: -ln 3/4; equal scores: ln 2; only the difference counts
+    loss = rm.bradley_terry_loss(torch.tensor([math.log(3.0), 5.0]), torch.tensor([0.0, 5.0]))
+    torch.testing.assert_close(loss, torch.tensor([-math.log(0.75), LN2]))
+    shifted = rm.bradley_terry_loss(torch.tensor([math.log(3.0) + 9]), torch.tensor([9.0]))
+    torch.testing.assert_close(shifted, loss[:1])
+
+
 def test_every_function_makes_its_tensors_on_the_inputs_device():
     # On the meta device any tensor made on the CPU (not a 0-dim scalar) raises when it
     # meets the inputs; no data is needed to run the math there.
@@ -449,6 +505,10 @@ def test_every_function_makes_its_tensors_on_the_inputs_device():
         ),
         rm.entropy_from_logits(torch.empty(b, t, 5, device=meta)),
         *rm.logprob_mismatch(x, x, mask).values(),
+        rm.dpo_loss(rm.preference_margins(scores, scores, scores, scores), 0.1, 0.1),
+        rm.ipo_loss(scores, 0.1),
+        rm.implicit_rewards(scores, scores, 0.1),
+        rm.bradley_terry_loss(scores, scores),
     ]
     for kind in rm.POLICY_LOSSES:
         outputs.extend(rm.policy_token_loss(kind, x, x, x, mask, 0.2, 0.2))
