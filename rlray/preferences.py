@@ -1,0 +1,143 @@
+"""Preference data: pairs of completions of one prompt, one chosen over the other.
+
+A pair file is JSONL, one pair per line, as TRL's preference datasets: `prompt` (a
+string, or chat messages) with `chosen` and `rejected` (strings, or for a chat prompt
+the assistant's reply as messages); other fields are kept as columns. Pairs also come
+from rlray's own episode store: two episodes of the same prompt whose rewards differ
+by at least a margin are a pair, the better one chosen (`pairs_from_episodes`, and
+`jobs/pairs.py` from the command line), so an RL run's episodes become preference data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlray.chat import MESSAGES_COLUMN, Message, Prompt
+from rlray.config import ConfigError
+from rlray.data import read_jsonl
+from rlray.episode import Episode
+
+Completion = str | list[Message]
+
+
+@dataclass
+class PreferencePair:
+    """A prompt, the completion preferred for it and the one rejected."""
+
+    prompt: Prompt
+    chosen: Completion
+    rejected: Completion
+    columns: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "chosen": self.chosen,
+            "rejected": self.rejected,
+            **self.columns,
+        }
+
+
+def read_pairs(path: str, field_name: str = "data.train") -> list[PreferencePair]:
+    """Returns the pairs of a JSONL file, or raises ConfigError naming the file, the
+    line and what is wrong with it."""
+    rows = read_jsonl(path, field_name, require=("prompt", "chosen", "rejected"))
+    pairs = []
+    for number, row in enumerate(rows, start=1):
+        columns = dict(row.columns)
+        chosen, rejected = columns.pop("chosen"), columns.pop("rejected")
+        chat = not isinstance(row.prompt, str)
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if problem := completion_problem(value, chat):
+                raise ConfigError(f"{path}: pair {number}: '{name}' {problem}")
+        if chosen == rejected:
+            raise ConfigError(f"{path}: pair {number}: 'chosen' and 'rejected' are the same")
+        pairs.append(PreferencePair(row.prompt, chosen, rejected, columns))
+    return pairs
+
+
+def completion_problem(value: Any, chat: bool) -> str | None:
+    """Returns what is wrong with a pair's completion, or None: a non-empty string, or
+    for a chat prompt also a list of assistant messages."""
+    if isinstance(value, str):
+        return None if value else "is empty"
+    if not chat:
+        return f"must be a string for a text prompt, got {type(value).__name__}"
+    if not isinstance(value, list) or not value:
+        return "must be a string or a non-empty list of assistant messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or message.get("role") != "assistant":
+            return f"message {i} is not an assistant message"
+        if set(message) != {"role", "content"} or not isinstance(message["content"], str):
+            return f"message {i} must be exactly {{role, content}} with string content"
+    return None
+
+
+@dataclass
+class PairCounts:
+    """What `pairs_from_episodes` made of a store's episodes."""
+
+    prompts: int = 0
+    pairs: int = 0
+    without_reward: int = 0
+    multi_turn: int = 0
+    prompts_without_pair: int = 0
+
+
+def pairs_from_episodes(
+    episodes: list[Episode], margin: float, per_prompt: int = 1
+) -> tuple[list[PreferencePair], PairCounts]:
+    """Returns preference pairs made from episodes, and their counts. Episodes are
+    grouped by prompt (text and chat messages); in each group, distinct completions are
+    ranked by reward, and the best is chosen over each of the up to `per_prompt` worst
+    whose reward is at least `margin` lower (worst first). Episodes without a reward and
+    multi-turn ones (their completions hold tool output) are left out and counted."""
+    if margin <= 0:
+        raise ValueError(f"margin must be > 0, got {margin}")
+    counts = PairCounts()
+    by_prompt: dict[str, dict[str, Episode]] = defaultdict(dict)
+    for episode in episodes:
+        if episode.reward is None:
+            counts.without_reward += 1
+        elif 0 in episode.completion_mask:
+            counts.multi_turn += 1
+        else:
+            completions = by_prompt[_prompt_key(episode)]
+            best = completions.get(episode.completion)
+            # A completion sampled twice is ranked once, by its best reward.
+            if best is None or episode.reward > best.reward:
+                completions[episode.completion] = episode
+    pairs = []
+    for completions in by_prompt.values():
+        ranked = sorted(completions.values(), key=lambda e: (-e.reward, e.episode_id))
+        top = ranked[0]
+        worse = [e for e in reversed(ranked) if top.reward - e.reward >= margin][:per_prompt]
+        counts.prompts += 1
+        counts.prompts_without_pair += not worse
+        pairs.extend(_pair(top, other) for other in worse)
+    counts.pairs = len(pairs)
+    return pairs, counts
+
+
+def _prompt_key(episode: Episode) -> str:
+    return json.dumps([episode.prompt, episode.columns.get(MESSAGES_COLUMN)])
+
+
+def _pair(chosen: Episode, rejected: Episode) -> PreferencePair:
+    messages = chosen.columns.get(MESSAGES_COLUMN)
+    prompt: Prompt = messages if messages else chosen.prompt
+
+    def completion(episode: Episode) -> Completion:
+        text = episode.completion
+        return [{"role": "assistant", "content": text}] if messages else text
+
+    columns = {
+        "chosen_reward": chosen.reward,
+        "rejected_reward": rejected.reward,
+        "chosen_episode": chosen.episode_id,
+        "rejected_episode": rejected.episode_id,
+    }
+    return PreferencePair(prompt, completion(chosen), completion(rejected), columns)

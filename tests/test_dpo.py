@@ -1,0 +1,102 @@
+"""DPO on the engine, with the embedded tiny model: the loss starts at ln 2 (policy =
+reference), the update's gradient is exactly the DPO loss's, and training on a fixed
+batch raises the implicit reward margin and accuracy (for IPO too)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlray.config import Config
+from rlray.dpo import DpoTrainer
+from rlray.engine import Engine
+from rlray.models import resolve_model_path
+from rlray.preferences import PreferencePair
+
+PAIRS = [
+    PreferencePair("12+34=", "46", "57"),
+    PreferencePair("7+8=", "15", "1"),
+    PreferencePair("30+41=", "71", "7100"),
+    PreferencePair("5+5=", "10", "55"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return resolve_model_path(Config().model.path)
+
+
+def make_trainer(model_path: str, **settings) -> DpoTrainer:
+    from transformers import AutoTokenizer
+
+    engine = Engine(model_path, lr=1e-3, micro_batch_size=3, with_reference=True)
+    return DpoTrainer(engine, AutoTokenizer.from_pretrained(model_path), **settings)
+
+
+def test_pairs_become_chosen_rows_then_rejected_rows_ending_in_eos(model_path):
+    trainer = make_trainer(model_path)
+    batch = trainer.token_batch(PAIRS[:2])
+    tok = trainer.tokenizer
+    completions = [batch.completion_ids[i][batch.mask[i].bool()].tolist() for i in range(4)]
+    texts = ["46", "15", "57", "1"]
+    assert completions == [
+        [*tok(t, add_special_tokens=False).input_ids, tok.eos_token_id] for t in texts
+    ]
+
+
+def test_the_loss_starts_at_ln2_with_the_policy_equal_to_its_reference(model_path):
+    trainer = make_trainer(model_path, label_smoothing=0.2)
+    metrics = trainer.evaluate(PAIRS)
+    assert metrics["loss"] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert metrics["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["accuracy"] == 0.0  # no pair is ranked yet (h = 0)
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_the_updates_gradient_is_the_dpo_losss_gradient(model_path, loss):
+    trainer = make_trainer(model_path, loss=loss, beta=0.5, label_smoothing=0.1)
+    trainer.step(PAIRS)  # move off the reference, so that h and the weights are not trivial
+    engine, batch = trainer.engine, trainer.token_batch(PAIRS)
+    # The true loss, with gradients through every row at once.
+    reference = trainer._sequence_logprobs(engine.reference_logprobs(batch), batch.mask)
+    policy = trainer._sequence_logprobs(engine.forward(batch).logp, batch.mask)
+    trainer.scores(policy, reference).loss.mean().backward()
+    want = gradients(engine.policy)
+    # The surrogate the update uses, one micro-batch of rows at a time.
+    with torch.no_grad():
+        current = trainer._sequence_logprobs(engine.forward(batch).logp, batch.mask)
+    weights = trainer.row_weights(current, reference)
+    surrogate = trainer._surrogate(batch, weights)
+    for rows in torch.arange(batch.size).split(3):
+        outputs = engine.forward(batch.rows(rows))
+        surrogate(outputs, rows, None)[0].backward()
+    got = gradients(engine.policy)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        # Summation order moves a few tiny elements by up to 3e-8 (measured).
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_training_on_a_fixed_batch_raises_the_margin_and_accuracy(model_path, loss):
+    trainer = make_trainer(model_path, loss=loss, beta=0.5)
+    before = trainer.evaluate(PAIRS)
+    history = [trainer.step(PAIRS) for _ in range(6)]
+    after = trainer.evaluate(PAIRS)
+    assert after["loss"] < before["loss"]
+    assert after["reward_margin"] > before["reward_margin"] + 0.5
+    assert after["accuracy"] == 1.0
+    assert all(math.isfinite(h["grad_norm"]) and h["grad_norm"] > 0 for h in history)
+    if loss == "ipo":  # pulled toward its target 1/(2 beta) = 1 per token, not beyond
+        batch = trainer.token_batch(PAIRS)
+        policy, reference = trainer._logprobs(batch)
+        margins = trainer.scores(policy, reference).margins
+        assert (margins < 2.0).all()
