@@ -25,6 +25,35 @@ def checkpoint_version(checkpoint: str | Path) -> int:
     return int(json.loads((Path(checkpoint) / "state.json").read_text())["version"])
 
 
+def staging_directory(run_dir: str | Path, version: int, create: bool = True) -> Path:
+    """Returns the directory a checkpoint of `version` is written into before
+    `publish_checkpoint` makes it the run's latest; emptied and made if `create` (one
+    writer does that for a learner group)."""
+    import shutil
+
+    staging = Path(run_dir) / "checkpoints" / f".staging-{version:06d}"
+    if create:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    return staging
+
+
+def publish_checkpoint(staging: Path, state: dict[str, Any]) -> Path:
+    """Writes state.json into a fully written staging directory, renames it to
+    checkpoints/step-NNNNNN and points checkpoints/latest at it (each step atomic, so a
+    crash leaves the previous checkpoint the latest); returns its path."""
+    import shutil
+
+    root = staging.parent
+    final = root / f"step-{state['version']:06d}"
+    (staging / "state.json").write_text(json.dumps(state, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    (root / f"{LATEST}.tmp").write_text(final.name)
+    (root / f"{LATEST}.tmp").rename(root / LATEST)
+    return final
+
+
 class BestCheckpoint:
     """The run's best evaluation by one metric, in checkpoints/best.json: its step, the
     metric's value and standard error, and the checkpoint of that step (None for step 0,

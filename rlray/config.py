@@ -51,6 +51,7 @@ LossAggregation = Literal[
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
 KLMode = Literal["reward", "loss"]
+PreferenceLoss = Literal["sigmoid", "ipo"]
 RolloutCorrection = Literal["token", "sequence", "off"]
 
 
@@ -366,6 +367,32 @@ class EvalConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference learning (jobs/dpo.py): DPO or IPO updates on pairs of completions.
+
+    data.train holds the pairs (JSONL: prompt, chosen, rejected, as TRL's preference
+    datasets), or builtin:arithmetic for built-in pairs (the correct sum chosen over a
+    near miss). The model, learner.lr, learner.steps, learner.micro_batch_size,
+    learner.eval_every and learner.checkpoint_every apply as in jobs/ppo.py."""
+
+    loss: PreferenceLoss = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2 over per-token mean
+    logprobs (h: the policy's log-ratio margin of chosen over rejected, against the
+    reference)."""
+    beta: float = 0.1
+    """Strength of the pull toward the reference model (DPO's beta, IPO's tau)."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's label is wrong (conservative DPO), below 0.5; sigmoid
+    loss only."""
+    pairs_per_step: int = 64
+    """Pairs in one update."""
+    eval_pairs: int = 64
+    """Pairs held out of data.train (the first after a seeded shuffle; with
+    builtin:arithmetic, pairs of the held-out prompts) for the held-out loss, margin and
+    implicit-reward accuracy."""
+
+
+@dataclass
 class StoreConfig:
     """The episode store: every scored episode as Parquet, local or on S3."""
 
@@ -457,6 +484,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -709,6 +737,9 @@ def validate(config: Config) -> None:
         "buffer.capacity_episodes": b.capacity_episodes,
         "learner.episodes_per_step": learner.episodes_per_step,
         "learner.num_workers": learner.num_workers,
+        "preference.beta": config.preference.beta,
+        "preference.pairs_per_step": config.preference.pairs_per_step,
+        "preference.eval_pairs": config.preference.eval_pairs,
         "learner.epochs": learner.epochs,
         "learner.minibatch_size": learner.minibatch_size,
         "learner.micro_batch_size": learner.micro_batch_size,
@@ -765,6 +796,7 @@ def validate(config: Config) -> None:
             f"rollout.gpus_per_worker {r.tensor_parallel_size} (a GPU per rank), "
             f"got {r.gpus_per_worker}"
         )
+    _check_preference(config.preference)
     if config.model.lora.rank and learner.num_workers > 1:
         raise ConfigError(
             "model.lora with learner.num_workers > 1: LoRA adapters train in one learner"
@@ -860,6 +892,15 @@ def _check_algorithm(config: Config) -> None:
             f"rollout.samples_per_prompt must be >= 2 for algorithm.advantage {a.advantage} "
             "(it compares the samples of each prompt)"
         )
+
+
+def _check_preference(preference: PreferenceConfig) -> None:
+    if not 0 <= preference.label_smoothing < 0.5:
+        raise ConfigError(
+            f"preference.label_smoothing must be in [0, 0.5), got {preference.label_smoothing}"
+        )
+    if preference.label_smoothing and preference.loss != "sigmoid":
+        raise ConfigError("preference.label_smoothing applies to the sigmoid loss only")
 
 
 def _check_lora(lora: LoraConfig) -> None:

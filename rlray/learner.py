@@ -14,7 +14,6 @@ a corrupted sync) plus staleness.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from rlray import distributed as dd
 from rlray import rl_math as rm
 from rlray.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
-from rlray.checkpoints import LATEST
+from rlray.checkpoints import publish_checkpoint, staging_directory
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
 from rlray.episode import Episode, ModelLimits, validate_episodes
@@ -333,31 +332,20 @@ class Learner:
         cursor) atomically and points checkpoints/latest at it; returns its path. In a
         learner group every learner calls it and writes its shard of the optimizer state
         (the run directory must be one that every learner sees); rank 0 the rest."""
-        root = Path(run_dir) / "checkpoints"
-        final = root / f"step-{self.version:06d}"
-        staging = root / f".staging-{self.version:06d}"
         self.prompt_cursor = prompt_cursor
         writer = self.engine.rank == 0
-        if writer:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
+        staging = staging_directory(run_dir, self.version, create=writer)
         dd.barrier()  # the staging directory exists for every learner
         self.engine.save(staging, self.tokenizer)
         dd.barrier()  # every learner's shard is written
-        if not writer:
-            return final
         state = {
             "version": self.version,
             "step": self.version,
             "prompt_cursor": prompt_cursor,
             "reference_model": self.model_path,
         }
-        (staging / "state.json").write_text(json.dumps(state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        (root / f"{LATEST}.tmp").write_text(final.name)
-        (root / f"{LATEST}.tmp").rename(root / LATEST)
-        return final
+        final = staging.parent / f"step-{self.version:06d}"
+        return publish_checkpoint(staging, state) if writer else final
 
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""

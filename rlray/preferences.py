@@ -6,18 +6,22 @@ the assistant's reply as messages); other fields are kept as columns. Pairs also
 from rlray's own episode store: two episodes of the same prompt whose rewards differ
 by at least a margin are a pair, the better one chosen (`pairs_from_episodes`, and
 `jobs/pairs.py` from the command line), so an RL run's episodes become preference data.
+The built-in pairs (`arithmetic_pair`) choose the correct sum over a near miss.
+`preference_batches` gives jobs/dpo.py its training batches and held-out pairs.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlray.chat import MESSAGES_COLUMN, Message, Prompt
-from rlray.config import ConfigError
-from rlray.data import read_jsonl
+from rlray.config import BUILTIN_DATA, Config, ConfigError
+from rlray.data import ArithmeticPrompts, PromptRow, eval_rows, read_jsonl
 from rlray.episode import Episode
 
 Completion = str | list[Message]
@@ -141,3 +145,53 @@ def _pair(chosen: Episode, rejected: Episode) -> PreferencePair:
         "rejected_episode": rejected.episode_id,
     }
     return PreferencePair(prompt, completion(chosen), completion(rejected), columns)
+
+
+def arithmetic_pair(row: PromptRow, index: int) -> PreferencePair:
+    """Returns the built-in pair of an arithmetic prompt: the correct sum chosen over a
+    near miss (off by 1 or 10 either way, as a dropped or extra carry is; seeded by
+    `index`, never negative)."""
+    answer = int(row.columns["answer"])
+    misses = [answer + d for d in (1, -1, 10, -10) if answer + d >= 0]
+    wrong = misses[index % len(misses)]
+    return PreferencePair(row.prompt, str(answer), str(wrong), {"answer": str(answer)})
+
+
+def preference_batches(
+    config: Config,
+) -> tuple[Callable[[int], list[PreferencePair]], list[PreferencePair]]:
+    """Returns the training batch of each step (1, 2, ...) and the held-out pairs."""
+    size, held = config.preference.pairs_per_step, config.preference.eval_pairs
+    data = config.data
+    if data.train == BUILTIN_DATA:
+        prompts = ArithmeticPrompts(data.arithmetic_digits, config.seed, data.eval_size)
+        held_out = [arithmetic_pair(r, i) for i, r in enumerate(eval_rows(data)[:held])]
+
+        def builtin_batch(step: int) -> list[PreferencePair]:
+            first = (step - 1) * size
+            return [arithmetic_pair(prompts.row(i), i) for i in range(first, first + size)]
+
+        return builtin_batch, held_out
+    if data.train.startswith("builtin:"):
+        raise ConfigError(f"data.train: jobs/dpo.py's built-in pairs are {BUILTIN_DATA}")
+    pairs = read_pairs(data.train)
+    random.Random(config.seed).shuffle(pairs)
+    held_out, train = pairs[:held], pairs[held:]
+    if not train:
+        raise ConfigError(
+            f"data.train: {len(pairs)} pairs leave none to train on after "
+            f"preference.eval_pairs {held}"
+        )
+
+    def file_batch(step: int) -> list[PreferencePair]:
+        # Consecutive slices of the pairs, reshuffled (seeded) every pass.
+        first = (step - 1) * size
+        batch = []
+        for index in range(first, first + size):
+            epoch, position = divmod(index, len(train))
+            order = list(range(len(train)))
+            random.Random(f"{config.seed}:{epoch}").shuffle(order)
+            batch.append(train[order[position]])
+        return batch
+
+    return file_batch, held_out

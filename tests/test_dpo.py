@@ -4,7 +4,10 @@ batch raises the implicit reward margin and accuracy (for IPO too)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from rlray.config import Config
 from rlray.dpo import DpoTrainer
 from rlray.engine import Engine
 from rlray.models import resolve_model_path
-from rlray.preferences import PreferencePair
+from rlray.preferences import PreferencePair, preference_batches
+from tests.jobs_helper import REPO
 
 PAIRS = [
     PreferencePair("12+34=", "46", "57"),
@@ -100,3 +104,60 @@ def test_training_on_a_fixed_batch_raises_the_margin_and_accuracy(model_path, lo
         policy, reference = trainer._logprobs(batch)
         margins = trainer.scores(policy, reference).margins
         assert (margins < 2.0).all()
+
+
+def run_dpo(args: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "jobs/dpo.py", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_dpo_job_on_a_pair_file_raises_held_out_exact_match(tmp_path):
+    # Pairs as a user would bring them: a JSONL file (here the built-in pairs written out).
+    batches, _ = preference_batches(Config())
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps(p.to_json()) + "\n" for step in range(1, 21) for p in batches(step))
+    )
+    run_dir = tmp_path / "run"
+    args = ["--data.train", str(pairs), "--learner.steps", "20", "--learner.eval_every", "10"]
+    result = run_dpo([*args, "--learner.lr", "1e-4", "--run-dir", str(run_dir)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[0]["loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # policy = reference
+    assert records[-1]["loss"] < math.log(2.0) and records[-1]["accuracy"] > 0.5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["initial_eval"], summary["final_eval"]
+    # Measured: 0.155 -> 0.250 greedy exact match on 200 held-out prompts.
+    assert after["exact_match"] >= before["exact_match"] + 0.05
+    assert after["pairs/loss"] < before["pairs/loss"] and after["pairs/accuracy"] > 0.5
+    # The checkpoint is an HF model with its tokenizer, as jobs/ppo.py's.
+    policy = run_dir / "checkpoints" / "step-000020" / "policy"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000020"
+    assert (policy / "config.json").is_file() and (policy / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--learner.num_workers", "2"], "learner.num_workers: jobs/dpo.py trains in one learner"),
+        (["--preference.label_smoothing", "0.5"], "preference.label_smoothing must be in [0, 0.5)"),
+        (["--preference.loss", "ipo", "--preference.label_smoothing", "0.1"], "sigmoid loss only"),
+        (["--data.train", "builtin:multiplication"], "jobs/dpo.py's built-in pairs are"),
+    ],
+)
+def test_dpo_job_bad_input_is_one_line_exit_2(args, message):
+    result = run_dpo(args)
+    assert result.returncode == 2
+    assert result.stderr.startswith("dpo.py: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_dpo_job_names_the_bad_pair(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "1+1=", "chosen": "2", "rejected": 3}) + "\n")
+    result = run_dpo(["--data.train", str(pairs)])
+    assert result.returncode == 2
+    problem = "'rejected' must be a string for a text prompt, got int"
+    assert result.stderr == f"dpo.py: error: {pairs}: pair 1: {problem}\n"

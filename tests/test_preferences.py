@@ -10,8 +10,14 @@ import sys
 import pytest
 
 from rlray.chat import MESSAGES_COLUMN
-from rlray.config import ConfigError
-from rlray.preferences import PreferencePair, pairs_from_episodes, read_pairs
+from rlray.config import Config, ConfigError
+from rlray.preferences import (
+    PreferencePair,
+    arithmetic_pair,
+    pairs_from_episodes,
+    preference_batches,
+    read_pairs,
+)
 from rlray.store import EpisodeStore
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
@@ -140,3 +146,39 @@ def test_pairs_job_turns_a_stores_episodes_into_a_pair_file(tmp_path):
     )
     assert missing.returncode == 2
     assert missing.stderr.startswith("pairs.py: error: no such episode store")
+
+
+def test_builtin_pairs_choose_the_sum_over_a_near_miss():
+    from rlray.data import arithmetic_row
+
+    pairs = [arithmetic_pair(arithmetic_row(40, 6), i) for i in range(4)]
+    assert [(p.prompt, p.chosen) for p in pairs] == [("40+6=", "46")] * 4
+    assert [p.rejected for p in pairs] == ["47", "45", "56", "36"]
+    # Never negative: 0+0 misses by +1 and +10 only.
+    assert [arithmetic_pair(arithmetic_row(0, 0), i).rejected for i in range(3)] == ["1", "10", "1"]
+
+
+def test_builtin_batches_train_on_other_prompts_than_the_held_out_pairs():
+    config = Config()
+    config.preference.pairs_per_step = 16
+    batches, held_out = preference_batches(config)
+    assert len(held_out) == config.preference.eval_pairs
+    trained = {p.prompt for step in (1, 2, 3) for p in batches(step)}
+    assert len(batches(1)) == 16 and batches(2) == batches(2) and batches(1) != batches(2)
+    assert not trained & {p.prompt for p in held_out}
+
+
+def test_file_batches_hold_out_pairs_and_cycle_through_the_rest(tmp_path):
+    written = [PreferencePair(f"{i}+0=", str(i), str(i + 1)) for i in range(10)]
+    config = Config()
+    config.data.train = write_lines(tmp_path / "pairs.jsonl", *(p.to_json() for p in written))
+    config.preference.pairs_per_step, config.preference.eval_pairs = 4, 3
+    batches, held_out = preference_batches(config)
+    train = [p for p in written if p not in held_out]
+    assert len(held_out) == 3 and len(train) == 7
+    # Two passes over the 7 training pairs in steps of 4: each pair once per pass.
+    seen = [p.prompt for step in range(1, 8) for p in batches(step)]
+    assert sorted(seen[:7]) == sorted(seen[7:14]) == sorted(p.prompt for p in train)
+    config.preference.eval_pairs = 10
+    with pytest.raises(ConfigError, match="leave none to train on"):
+        preference_batches(config)
