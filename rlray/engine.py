@@ -331,13 +331,15 @@ class Engine:
         """Returns rows_fn's (B, T) outputs for every row of the batch: each learner runs
         it on its own rows, a micro-batch at a time, and the outputs are gathered."""
         rows = torch.arange(batch.size, device=self.device)
+        # Gathered outputs travel pickled, through the CPU; a lone learner's stay put.
+        travel = "cpu" if self.world_size > 1 else self.device
         own: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         for micro_rows in self._micro_batches(batch, rows):
             if micro_rows is None:  # nothing left here, but the group's passes go on
                 rows_fn(batch.rows(rows[:1]))
                 continue
             outputs = rows_fn(batch.rows(micro_rows))
-            own.append((micro_rows.cpu(), {k: v.cpu() for k, v in outputs.items()}))
+            own.append((micro_rows.to(travel), {k: v.to(travel) for k, v in outputs.items()}))
         result: dict[str, torch.Tensor] = {}
         for learner_rows in dd.gather_objects(own):
             for micro_rows, outputs in learner_rows:
