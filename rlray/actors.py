@@ -309,12 +309,16 @@ class LearnerGroup:
         return learner_names(len(self.handles))
 
     def __getattr__(self, method: str) -> _GroupCall:
+        # Actor methods only: pickling (Actors goes to the ingest actor) asks a bare
+        # instance for __setstate__ and the like before `handles` exists.
+        if method.startswith("_") or "handles" not in self.__dict__:
+            raise AttributeError(method)
         return _GroupCall([getattr(handle, method) for handle in self.handles])
 
 
 def learner_names(count: int) -> list[str]:
     """Returns the names of a group's learner actors: rank 0 is `learner`."""
-    return ["learner"] + [f"learner-{rank}" for rank in range(1, count)]
+    return [f"learner-{rank}" if rank else "learner" for rank in range(count)]
 
 
 class _GroupCall:

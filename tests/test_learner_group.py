@@ -160,3 +160,17 @@ def test_a_groups_checkpoint_resumes_in_one_learner_to_the_same_next_step(runs):
     second = resumed.train_step(single["second_episodes"])
     assert_same_metrics(metrics_of(second), single["second"])
     assert_same_weights(whole_policy(resumed), single["second_state"])
+
+
+def test_a_group_names_its_learners_and_survives_pickling():
+    from rlray.actors import Actors, LearnerGroup, learner_names
+
+    assert learner_names(0) == [] and learner_names(3) == ["learner", "learner-1", "learner-2"]
+    # The run's Actors travel to the ingest actor pickled, learner group and all.
+    actors = Actors(rollout=[], rollout_names=[], reward=[], reward_names=[], store="s")
+    actors.learner = LearnerGroup(["h0", "h1"])
+    back = pickle.loads(pickle.dumps(actors))
+    assert back.learner.handles == ["h0", "h1"]
+    assert [name for name, _ in back.all()] == ["store", "learner", "learner-1"]
+    # A collect-only run has no learner and lists none.
+    assert [name for name, _ in Actors([], [], [], [], store="s").all()] == ["store"]
