@@ -120,7 +120,7 @@ def test_dpo_job_on_a_pair_file_raises_held_out_exact_match(tmp_path):
         "".join(json.dumps(p.to_json()) + "\n" for step in range(1, 21) for p in batches(step))
     )
     run_dir = tmp_path / "run"
-    args = ["--data.train", str(pairs), "--learner.steps", "20", "--learner.eval_every", "10"]
+    args = ["--data.train", str(pairs), "--learner.steps", "20", "--learner.eval_every", "20"]
     result = run_dpo([*args, "--learner.lr", "1e-4", "--run-dir", str(run_dir)])
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
