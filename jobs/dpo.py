@@ -3,15 +3,18 @@
     python jobs/dpo.py                                   # built-in arithmetic pairs
     python jobs/dpo.py --data.train pairs.jsonl          # your pairs (prompt, chosen, rejected)
     python jobs/dpo.py --preference.loss ipo --preference.beta 0.5 --run-dir runs/ipo1
+    python jobs/dpo.py --learner.num_workers 2           # a learner group (FSDP2), on Ray
 
 The learner is rlray's Engine with its reference model (rlray/dpo.py); every
 learner.eval_every steps the held-out pairs give the loss, the implicit reward margin and
 its accuracy, and when the held-out prompts (data.eval) have answers, a vLLM engine
-loaded with the policy's weights gives greedy exact-match accuracy. One learner, in
-this process. Writes metrics.jsonl, checkpoints/ (HF policy, as jobs/ppo.py's) and
-summary.json into the run directory.
+loaded with the policy's weights gives greedy exact match. One learner runs in this
+process; `learner.num_workers` > 1 runs a group of learner actors on Ray (joining
+ray.address or RAY_ADDRESS, else a Ray of its own), its models sharded across them as
+in jobs/ppo.py, each building the steps' pairs itself. Writes metrics.jsonl,
+checkpoints/ (HF policy, as jobs/ppo.py's) and summary.json into the run directory.
 
-Reads top to bottom: config -> data -> models -> loop -> summary.
+Reads top to bottom: config -> data -> learners -> loop -> summary.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.checkpoints import publish_checkpoint, staging_directory
 from rlray.config import Config, ConfigError, parse_command_line, validate
-from rlray.data import PromptRow, eval_rows
+from rlray.data import eval_rows
 from rlray.models import resolve_model_path
-from rlray.preferences import PreferencePair, preference_batches
+from rlray.preferences import preference_batches
 
 
 def main(argv: list[str]) -> int:
@@ -38,10 +41,7 @@ def main(argv: list[str]) -> int:
         validate(config)
         if command.resume_dir is not None:
             raise ConfigError("--resume: jobs/dpo.py starts from model.path only")
-        if config.learner.num_workers > 1:
-            raise ConfigError("learner.num_workers: jobs/dpo.py trains in one learner")
-        batches, held_out = preference_batches(config)
-        rows = [r for r in eval_rows(config.data) if "answer" in r.columns]
+        preference_batches(config)  # the pair file's checks; each learner reads it again
         model_path = resolve_model_path(config.model.path)
     except ConfigError as err:
         print(f"dpo.py: error: {err}", file=sys.stderr)
@@ -50,24 +50,39 @@ def main(argv: list[str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}", flush=True)
 
-    # 2. Models: the policy and its reference; vLLM for greedy exact match.
-    trainer, tokenizer = make_trainer(config, model_path)
-    evaluator = ExactMatch(config, model_path, run_dir.name, rows) if rows else None
+    # 2. Learners: one in this process, or a group of learner actors.
+    from rlray.actors import ActorFailure
 
-    # 3. Loop: one update per batch of pairs; evaluations and checkpoints on schedule.
-    steps, started, log = config.learner.steps, time.perf_counter(), []
-    evaluations = {0: evaluate(trainer, held_out, evaluator, 0)}
+    learners = Learners(config)
+    try:
+        learners.start(model_path, run_dir.name)
+        summary = train(config, learners, run_dir)
+    except ActorFailure as err:
+        print(f"dpo.py: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        learners.close()
+    print(
+        f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; "
+        f"{describe_change(summary['initial_eval'], summary['final_eval'])}"
+    )
+    return 0
+
+
+def train(config: Config, learners: Learners, run_dir: Path) -> dict[str, Any]:
+    """Runs the steps (evaluations and checkpoints on schedule); returns the summary."""
+    # 3. Loop: one update per batch of pairs.
+    steps, started = config.learner.steps, time.perf_counter()
+    evaluations = {0: learners.evaluate(0)}
     print(describe(0, evaluations[0]), flush=True)
     for step in range(1, steps + 1):
-        record = {"step": step, **trainer.step(batches(step))}
+        record = learners.step(step)
         last = step == steps
         if step % config.learner.eval_every == 0 or last:
-            evaluations[step] = evaluate(trainer, held_out, evaluator, step)
-            record["eval"] = evaluations[step]
+            evaluations[step] = record["eval"] = learners.evaluate(step)
             print(describe(step, evaluations[step]), flush=True)
         if step % config.learner.checkpoint_every == 0 or last:
-            save_checkpoint(trainer, tokenizer, run_dir, step, model_path)
-        log.append(record)
+            learners.save_checkpoint(run_dir, step)
         with (run_dir / "metrics.jsonl").open("a") as metrics:
             metrics.write(json.dumps(record) + "\n")
 
@@ -75,82 +90,76 @@ def main(argv: list[str]) -> int:
     summary = {
         "steps": steps,
         "pairs_per_step": config.preference.pairs_per_step,
+        "learners": config.learner.num_workers,
         "seconds": time.perf_counter() - started,
         "initial_eval": evaluations[0],
         "final_eval": evaluations[steps],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"done: {steps} steps in {summary['seconds']:.0f} s; {describe_change(evaluations)}")
-    if evaluator is not None:
-        evaluator.close()
-    return 0
+    return summary
 
 
-def make_trainer(config: Config, model_path: str):
-    """Returns the DPO trainer (engine with its reference model) and the tokenizer."""
-    from transformers import AutoTokenizer
+class Learners:
+    """The run's PreferenceLearners, called as one: the single learner in this process,
+    or every actor of the group (rank 0's result, within ray.call_timeout_s), whose
+    weights an evaluation actor (`eval`, vLLM) loads for greedy exact match."""
 
-    from rlray.dpo import DpoTrainer
-    from rlray.engine import Engine
+    def __init__(self, config: Config):
+        self.config = config
+        self.timeout_s = config.ray.call_timeout_s
+        self.local = self.group = self.evaluator = self.placement = None
+        self.rows = [r for r in eval_rows(config.data) if "answer" in r.columns]
 
-    learner, preference = config.learner, config.preference
-    engine = Engine(
-        model_path,
-        dtype=config.model.dtype,
-        lr=learner.lr,
-        max_grad_norm=learner.max_grad_norm,
-        micro_batch_size=learner.micro_batch_size,
-        with_reference=True,
-        gradient_checkpointing=learner.gradient_checkpointing,
-        seed=config.seed,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = DpoTrainer(
-        engine, tokenizer, preference.loss, preference.beta, preference.label_smoothing
-    )
-    return trainer, tokenizer
+    def start(self, model_path: str, run_id: str) -> None:
+        config = self.config
+        if config.learner.num_workers == 1:
+            from rlray.dpo import PreferenceLearner
 
+            device = "cuda" if config.learner.gpus > 0 else "cpu"
+            self.local = PreferenceLearner(config, model_path, run_id, device)
+            return
+        from rlray.actors import connect, required_cpus, start_preference_learners
 
-class ExactMatch:
-    """Greedy exact-match accuracy of the policy on held-out prompts, by a vLLM engine
-    in this process that loads the policy's weights before each evaluation."""
-
-    def __init__(self, config: Config, model_path: str, run_id: str, rows: list[PromptRow]):
-        from rlray.rollout import RolloutWorker
-
-        self.rows = rows
-        self.dtype = config.model.dtype
-        self.worker = RolloutWorker("eval", model_path, config.model, config.rollout, run_id, 0)
-
-    def accuracy(self, trainer, version: int) -> float:
-        import torch
-
-        from rlray.weights import publishable_weights, tied_output_name, weights_for_vllm
-
-        policy = trainer.engine.policy
-        weights = publishable_weights(policy, getattr(torch, self.dtype))
-        architecture = self.worker.llm.model_config.architecture
-        self.worker.load_weights(
-            version, weights_for_vllm(weights, tied_output_name(policy), architecture)
+        connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
+        self.group, self.evaluator, self.placement = start_preference_learners(
+            config, model_path, run_id, evaluator=bool(self.rows)
         )
-        return self.worker.evaluate(self.rows).accuracy
+
+    def step(self, step: int) -> dict[str, Any]:
+        return self._call("step", step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        result = self._call("evaluate", step)
+        if self.evaluator is not None:
+            from rlray.actors import wait_for
+
+            published = self.group.publish_weights.remote(step)  # rank 0's ref
+            loaded = self.evaluator.load_published.remote(published)
+            wait_for(loaded, "eval", "weight load", self.timeout_s)
+            evaluated = self.evaluator.evaluate.remote(self.rows)
+            result["exact_match"] = wait_for(
+                evaluated, "eval", "evaluation", self.timeout_s
+            ).accuracy
+        return result
+
+    def save_checkpoint(self, run_dir: Path, step: int) -> None:
+        self._call("save_checkpoint", str(run_dir), step)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self.local is not None:
+            return getattr(self.local, method)(*args)
+        from rlray.actors import wait_for
+
+        ref = getattr(self.group, method).remote(*args)
+        return wait_for(ref, "learner", method, self.timeout_s)
 
     def close(self) -> None:
-        self.worker.close()
-
-
-def evaluate(trainer, held_out: list[PreferencePair], evaluator, step: int) -> dict:
-    """Returns the held-out pairs' metrics (and exact-match accuracy) at this step."""
-    result = {f"pairs/{key}": value for key, value in trainer.evaluate(held_out).items()}
-    if evaluator is not None:
-        result["exact_match"] = evaluator.accuracy(trainer, step)
-    return result
-
-
-def save_checkpoint(trainer, tokenizer, run_dir: Path, step: int, model_path: str) -> None:
-    staging = staging_directory(run_dir, step)
-    trainer.engine.save(staging, tokenizer)
-    publish_checkpoint(staging, {"version": step, "step": step, "reference_model": model_path})
+        """Shuts the local learner's vLLM engine down; a group's actors (and the
+        evaluation actor's engine) end with this process, their placement now."""
+        if self.local is not None:
+            self.local.close()
+        if self.placement is not None:
+            self.placement.release()
 
 
 def describe(step: int, evaluation: dict) -> str:
@@ -159,8 +168,7 @@ def describe(step: int, evaluation: dict) -> str:
     return f"eval  step {step:4d}  {values}"
 
 
-def describe_change(evaluations: dict[int, dict]) -> str:
-    first, last = evaluations[0], evaluations[max(evaluations)]
+def describe_change(first: dict, last: dict) -> str:
     keys = [k for k in ("exact_match", "pairs/accuracy") if k in first]
     return ", ".join(f"held-out {k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys)
 

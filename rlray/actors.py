@@ -15,7 +15,7 @@ import os
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,19 +119,12 @@ def resolve_episodes(batch_refs: Sequence[list[Any]], timeout_s: float) -> list[
     return [episode for batch in batches for episode in batch]
 
 
-class LearnerActor:
-    """The Learner, plus what needs Ray: it resolves episode references itself, so
-    episode data goes object store -> learner and never through the driver. It holds the
-    Learner rather than being one so that this module, which every actor and the driver
-    import, does not import torch (~140 MB of private memory in each process).
+class _GroupMember:
+    """A learner of a group, built in two steps so that the group's rank 0 can name its
+    address before any learner joins (`setup`)."""
 
-    One of `world_size` learners: it is built in two steps, so that the group's rank 0
-    can name its address before any learner joins the group (`setup`)."""
-
-    def __init__(self, run_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
-        self.rank, self.world_size = rank, world_size
-        self.learner_args, self.learner_kwargs = args, kwargs
-        self.telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
+    rank: int
+    world_size: int
 
     def rendezvous(self) -> tuple[str, int]:
         """Returns this node's address and a free port: rank 0's are the group's."""
@@ -139,16 +132,32 @@ class LearnerActor:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, address: str, port: int, timeout_s: float) -> None:
-        """Joins the learner group (when there is more than one learner), then builds
-        the Learner: its models are sharded across the group."""
-        from rlray.learner import Learner
-
+    def _join(self, address: str, port: int, device: str, timeout_s: float) -> None:
+        """Joins the learner group, when there is more than one learner."""
         if self.world_size > 1:
             from rlray.distributed import join_group
 
-            device = self.learner_kwargs.get("device", "cpu")
             join_group(self.rank, self.world_size, address, port, device, timeout_s)
+
+
+class LearnerActor(_GroupMember):
+    """The Learner, plus what needs Ray: it resolves episode references itself, so
+    episode data goes object store -> learner and never through the driver. It holds the
+    Learner rather than being one so that this module, which every actor and the driver
+    import, does not import torch (~140 MB of private memory in each process).
+
+    One of `world_size` learners: its models are sharded across the group."""
+
+    def __init__(self, run_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
+        self.rank, self.world_size = rank, world_size
+        self.learner_args, self.learner_kwargs = args, kwargs
+        self.telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
+
+    def setup(self, address: str, port: int, timeout_s: float) -> None:
+        """Joins the learner group, then builds the Learner."""
+        from rlray.learner import Learner
+
+        self._join(address, port, self.learner_kwargs.get("device", "cpu"), timeout_s)
         self.learner = Learner(*self.learner_args, **self.learner_kwargs)
 
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
@@ -181,6 +190,36 @@ class LearnerActor:
 
     def state(self) -> dict[str, Any]:
         return self.learner.state()
+
+
+class PreferenceActor(_GroupMember):
+    """A PreferenceLearner (rlray/dpo.py) in jobs/dpo.py's learner group: it builds each
+    step's pairs itself, so the driver sends only step numbers."""
+
+    def __init__(
+        self, rank: int, world_size: int, config: Config, model_path: str, run_id: str, device: str
+    ):
+        self.rank, self.world_size = rank, world_size
+        self.config, self.model_path, self.run_id, self.device = config, model_path, run_id, device
+
+    def setup(self, address: str, port: int, timeout_s: float) -> None:
+        """Joins the learner group, then builds the PreferenceLearner."""
+        from rlray.dpo import PreferenceLearner
+
+        self._join(address, port, self.device, timeout_s)
+        self.learner = PreferenceLearner(self.config, self.model_path, self.run_id, self.device)
+
+    def step(self, step: int) -> dict[str, float]:
+        return self.learner.step(step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.learner.evaluate(step)
+
+    def publish_weights(self, step: int) -> tuple[int, PackedWeights | None]:
+        return self.learner.publish_weights(step)
+
+    def save_checkpoint(self, run_dir: str, step: int) -> None:
+        self.learner.save_checkpoint(run_dir, step)
 
 
 class RolloutActor(RolloutWorker):
@@ -588,6 +627,40 @@ def _start_learners(
         )
         group.handles.append(handle)
     return group
+
+
+def start_preference_learners(
+    config: Config, model_path: str, run_id: str, evaluator: bool
+) -> tuple[LearnerGroup, Any, Placement]:
+    """Reserves placement for jobs/dpo.py's learner group (and, if `evaluator`, one
+    rollout actor, `eval`, for its greedy evaluations), starts them and waits, with a
+    timeout, until each learner has joined the group and built its models; returns the
+    group, the evaluation actor (or None) and the placement."""
+    timeout = config.ray.actor_start_timeout_s
+    placement = Placement(run_id)
+    roles = role_resources(config)
+    wanted = [roles["learner"]] + ([replace(roles["rollout"], count=1)] if evaluator else [])
+    for resources in wanted:
+        problem = placement.reserve(resources, timeout)
+        if problem:
+            placement.release()
+            raise ActorFailure(problem)
+    device = "cuda" if config.learner.gpus > 0 else "cpu"
+    count, model = config.learner.num_workers, _model_for_actors(config, model_path)
+    group = LearnerGroup(
+        [
+            ray.remote(PreferenceActor)
+            .options(name=name, **placement.actor_options("learner", rank))
+            .remote(rank, count, config, model, run_id, device)
+            for rank, name in enumerate(learner_names(count))
+        ]
+    )
+    evaluation = None
+    if evaluator:
+        names = ["eval"]
+        (evaluation,) = _start_rollout_workers(config, names, model_path, run_id, None, placement)
+    _set_up_learners(group, timeout)
+    return group, evaluation, placement
 
 
 def _set_up_learners(group: LearnerGroup, timeout_s: float) -> None:

@@ -368,12 +368,16 @@ class EvalConfig:
 
 @dataclass
 class PreferenceConfig:
-    """Preference learning (jobs/dpo.py): DPO or IPO updates on pairs of completions.
+    """Preference learning: DPO or IPO updates of the policy on pairs of completions
+    (jobs/dpo.py), and reward models fit to the same pairs (jobs/reward_model.py).
 
     data.train holds the pairs (JSONL: prompt, chosen, rejected, as TRL's preference
     datasets), or builtin:arithmetic for built-in pairs (the correct sum chosen over a
-    near miss). The model, learner.lr, learner.steps, learner.micro_batch_size,
-    learner.eval_every and learner.checkpoint_every apply as in jobs/ppo.py."""
+    wrong one). jobs/dpo.py takes model.*, learner.lr, learner.steps,
+    learner.micro_batch_size, learner.eval_every and learner.checkpoint_every as
+    jobs/ppo.py does; jobs/reward_model.py takes model.path (the trunk),
+    learner.micro_batch_size, learner.max_grad_norm and learner.eval_every, and its own
+    rate and length below."""
 
     loss: PreferenceLoss = "sigmoid"
     """sigmoid: DPO's -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2 over per-token mean
@@ -386,6 +390,15 @@ class PreferenceConfig:
     loss only."""
     pairs_per_step: int = 64
     """Pairs in one update."""
+    reward_model_lr: float = 1e-3
+    """jobs/reward_model.py's peak learning rate (falling along a cosine to 1% of it):
+    a fresh score head needs far more than a policy may take."""
+    reward_model_steps: int = 5000
+    """jobs/reward_model.py's updates, one batch of pairs_per_step pairs each."""
+    reward_model_center: float = 0.01
+    """Weight of the centring term of jobs/reward_model.py's loss, (r(chosen) +
+    r(rejected))^2, that keeps scores around 0 for every prompt (TRL's
+    center_rewards_coefficient); 0 for the Bradley-Terry loss alone."""
     eval_pairs: int = 64
     """Pairs held out of data.train (the first after a seeded shuffle; with
     builtin:arithmetic, pairs of the held-out prompts) for the held-out loss, margin and
@@ -740,6 +753,8 @@ def validate(config: Config) -> None:
         "preference.beta": config.preference.beta,
         "preference.pairs_per_step": config.preference.pairs_per_step,
         "preference.eval_pairs": config.preference.eval_pairs,
+        "preference.reward_model_lr": config.preference.reward_model_lr,
+        "preference.reward_model_steps": config.preference.reward_model_steps,
         "learner.epochs": learner.epochs,
         "learner.minibatch_size": learner.minibatch_size,
         "learner.micro_batch_size": learner.micro_batch_size,
@@ -776,6 +791,7 @@ def validate(config: Config) -> None:
         "algorithm.vf_coef": a.vf_coef,
         "algorithm.kl_coef": a.kl_coef,
         "algorithm.entropy_coef": a.entropy_coef,
+        "preference.reward_model_center": config.preference.reward_model_center,
         "learner.cpus": learner.cpus,
         "learner.gpus": learner.gpus,
         "ray.num_cpus": config.ray.num_cpus,

@@ -108,6 +108,20 @@ def shard(model: nn.Module, device_type: str) -> nn.Module:
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Frees the whole parameters a sharded model's forward pass left gathered. FSDP2
+    keeps the root's (embeddings, head, norms) whole after a forward pass for the
+    backward pass to come; after a pass without one they stay so, and the next backward
+    pass fails to free them once anything else has looked at them (measured: a DPO
+    evaluation, then publishing the weights, then a step: "Trying to resize storage
+    that is not resizable"). Nothing to do for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Returns a copy of every parameter and buffer of a (sharded) model as a whole CPU
     tensor: all-gathered, so every learner of the group must call it."""

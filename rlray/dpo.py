@@ -24,10 +24,22 @@ from typing import Any
 
 import torch
 
+from rlray import distributed as dd
 from rlray import rl_math as rm
 from rlray.chat import render_prompt
+from rlray.checkpoints import publish_checkpoint, staging_directory
+from rlray.config import Config
+from rlray.data import PromptRow, eval_rows
 from rlray.engine import Engine, MiniBatchTotals, Outputs, TokenBatch, collate
-from rlray.preferences import Completion, PreferencePair
+from rlray.models import resolve_model_path
+from rlray.preferences import Completion, PreferencePair, preference_batches
+from rlray.weights import (
+    PackedWeights,
+    pack_weights,
+    publishable_weights,
+    tied_output_name,
+    weights_for_vllm,
+)
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
@@ -167,3 +179,110 @@ class DpoTrainer:
             return (weights[rows] * logp).sum(), {}
 
         return loss_fn
+
+
+def dpo_trainer(config: Config, model_path: str, device: str = "cpu") -> tuple[DpoTrainer, Any]:
+    """Returns the DPO trainer of a config (an Engine with its reference model, sharded
+    across the learner group if one is joined) and the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    learner, preference = config.learner, config.preference
+    engine = Engine(
+        model_path,
+        dtype=config.model.dtype,
+        lr=learner.lr,
+        max_grad_norm=learner.max_grad_norm,
+        micro_batch_size=learner.micro_batch_size,
+        with_reference=True,
+        gradient_checkpointing=learner.gradient_checkpointing,
+        seed=config.seed,
+        device=device,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = DpoTrainer(
+        engine, tokenizer, preference.loss, preference.beta, preference.label_smoothing
+    )
+    return trainer, tokenizer
+
+
+class PreferenceLearner:
+    """One learner of jobs/dpo.py: the DPO trainer, its batches and held-out pairs. Each
+    learner of a group builds every step's pairs itself from the config (seeded: the
+    same pairs in every learner), so no pair passes through the driver; every method is
+    called on every learner of the group, as each takes part in its collectives, and
+    rank 0's result is the group's.
+
+    Greedy exact match on held-out prompts with answers: a lone learner runs it with a
+    vLLM engine in its own process; a group publishes its weights (`publish_weights`)
+    to an evaluation actor instead, since vLLM in a learner of a group would take the
+    group's process group for its own."""
+
+    def __init__(self, config: Config, model_path: str, run_id: str, device: str = "cpu"):
+        model_path = resolve_model_path(model_path)  # the embedded model: built on this node
+        self.batches, self.held_out = preference_batches(config)
+        self.trainer, self.tokenizer = dpo_trainer(config, model_path, device)
+        self.model_path = model_path
+        self.dtype = getattr(torch, config.model.dtype)
+        rows = [r for r in eval_rows(config.data) if "answer" in r.columns]
+        alone = self.trainer.engine.world_size == 1
+        self.exact_match = ExactMatch(config, model_path, run_id, rows) if rows and alone else None
+
+    def step(self, step: int) -> dict[str, float]:
+        """Runs the update of step `step` (1, 2, ...) on its pairs; returns its metrics."""
+        return {"step": step, **self.trainer.step(self.batches(step))}
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Returns the held-out pairs' loss, margin and implicit-reward accuracy, and
+        greedy exact match when this learner evaluates it itself."""
+        pairs = self.trainer.evaluate(self.held_out)
+        result = {f"pairs/{key}": value for key, value in pairs.items()}
+        if self.exact_match is not None:
+            policy = self.trainer.engine.policy
+            weights = publishable_weights(policy, self.dtype)
+            tied = tied_output_name(policy)
+            result["exact_match"] = self.exact_match.accuracy(weights, tied, step)
+        return result
+
+    def publish_weights(self, step: int) -> tuple[int, PackedWeights | None]:
+        """Returns (step, the policy's weights packed for a rollout actor) on rank 0 and
+        (step, None) on the others; every learner gathers them."""
+        policy, keep = self.trainer.engine.policy, self.trainer.engine.rank == 0
+        weights = publishable_weights(policy, self.dtype, keep=keep)
+        return step, pack_weights(weights, tied_output_name(policy)) if keep else None
+
+    def save_checkpoint(self, run_dir: str, step: int) -> None:
+        """Writes checkpoints/step-NNNNNN (HF policy and tokenizer, optimizer state: each
+        learner its shard) and points checkpoints/latest at it."""
+        writer = self.trainer.engine.rank == 0
+        staging = staging_directory(run_dir, step, create=writer)
+        dd.barrier()  # the staging directory exists for every learner
+        self.trainer.engine.save(staging, self.tokenizer)
+        dd.barrier()  # every learner's shard is written
+        if writer:
+            state = {"version": step, "step": step, "reference_model": self.model_path}
+            publish_checkpoint(staging, state)
+
+    def close(self) -> None:
+        if self.exact_match is not None:
+            self.exact_match.close()
+
+
+class ExactMatch:
+    """Greedy exact-match accuracy of the policy on held-out prompts, by a vLLM engine
+    in this process that loads the policy's weights before each evaluation."""
+
+    def __init__(self, config: Config, model_path: str, run_id: str, rows: list[PromptRow]):
+        from rlray.rollout import RolloutWorker
+
+        self.rows = rows
+        self.worker = RolloutWorker("eval", model_path, config.model, config.rollout, run_id, 0)
+
+    def accuracy(self, weights: dict[str, torch.Tensor], tied: str | None, version: int) -> float:
+        """Loads the policy's HF-named weights (`tied`: its tied output embedding's name)
+        and returns its greedy exact match."""
+        architecture = self.worker.llm.model_config.architecture
+        self.worker.load_weights(version, weights_for_vllm(weights, tied, architecture))
+        return self.worker.evaluate(self.rows).accuracy
+
+    def close(self) -> None:
+        self.worker.close()

@@ -307,6 +307,8 @@ class Engine:
             return {"logp": logp} if values is None else {"logp": logp, "values": values}
 
         scored = self._each_row(batch, score_rows)
+        for model in self.trained_models().values():
+            dd.reshard(model)  # no backward pass follows this one
         return Outputs(logp=scored["logp"], values=scored.get("values"))
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
@@ -322,7 +324,9 @@ class Engine:
             return {"logp": rm.token_logprobs(logits, micro.completion_ids)}
 
         with self._reference_mode():
-            return self._each_row(batch, reference_rows)["logp"]
+            logp = self._each_row(batch, reference_rows)["logp"]
+        dd.reshard(model)  # no backward pass follows this one
+        return logp
 
     @torch.no_grad()
     def _each_row(

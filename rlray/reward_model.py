@@ -10,6 +10,7 @@ tokenizer's text pair, the score at the last token (transformers'
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,16 @@ from rlray.preferences import PreferencePair
 
 class RewardModelTrainer:
     """Fits a one-output classifier to pairs: the chosen completion scored above the
-    rejected one. Plain AdamW in float32 with gradient clipping."""
+    rejected one. AdamW in float32 with gradient clipping; given `steps`, the learning
+    rate falls from `lr` to 1% of it along a cosine over that many steps (a fresh score
+    head needs a large rate to start and a small one to settle)."""
 
     def __init__(
         self,
         model_path: str,
         lr: float = 1e-4,
+        steps: int | None = None,
+        center_coef: float = 0.0,
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 64,
         seed: int = 0,
@@ -55,8 +60,12 @@ class RewardModelTrainer:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).train()
         self.max_grad_norm = max_grad_norm
+        self.center_coef = center_coef
         self.micro_batch_size = micro_batch_size
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda done: cosine_factor(done, steps)
+        )
 
     def scores(self, prompts: list[Any], completions: list[Any]) -> torch.Tensor:
         """Returns (N,) scores of (prompt, completion) text pairs, with gradients."""
@@ -77,14 +86,16 @@ class RewardModelTrainer:
         for start in range(0, len(pairs), self.micro_batch_size):
             micro = pairs[start : start + self.micro_batch_size]
             chosen, rejected = self._pair_scores(micro)
-            loss = rm.bradley_terry_loss(chosen, rejected)
+            loss = rm.bradley_terry_loss(chosen, rejected, self.center_coef)
             rm.check_finite("reward model loss", loss)
             (loss.sum() / len(pairs)).backward()
             _add(totals, chosen.detach(), rejected.detach(), loss.detach(), len(pairs))
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        lr = self.schedule.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**totals, "grad_norm": float(norm)}
+        self.schedule.step()
+        return {**totals, "grad_norm": float(norm), "lr": lr}
 
     @torch.no_grad()
     def evaluate(self, pairs: list[PreferencePair]) -> dict[str, float]:
@@ -94,7 +105,7 @@ class RewardModelTrainer:
         totals = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0}
         for start in range(0, len(pairs), self.micro_batch_size):
             chosen, rejected = self._pair_scores(pairs[start : start + self.micro_batch_size])
-            loss = rm.bradley_terry_loss(chosen, rejected)
+            loss = rm.bradley_terry_loss(chosen, rejected, self.center_coef)
             _add(totals, chosen, rejected, loss, len(pairs))
         self.model.train()
         return totals
@@ -103,6 +114,15 @@ class RewardModelTrainer:
         """Writes the model and tokenizer in HF format (what classifier_reward loads)."""
         self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
+
+
+def cosine_factor(done: int, steps: int | None, floor: float = 0.01) -> float:
+    """Returns the learning-rate factor after `done` of `steps` updates: 1 at the start,
+    `floor` at the end, along half a cosine; always 1 without a step count."""
+    if steps is None:
+        return 1.0
+    progress = min(done / steps, 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _add(

@@ -477,10 +477,19 @@ def implicit_rewards(logp: torch.Tensor, ref_logp: torch.Tensor, beta: float) ->
     return beta * (logp - ref_logp)
 
 
-def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+def bradley_terry_loss(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, center_coef: float = 0.0
+) -> torch.Tensor:
     """Returns (B,) reward-model losses -log sigmoid(r(y_w) - r(y_l)): the negative log
-    likelihood of the preference under the Bradley-Terry model."""
-    return -torch.nn.functional.logsigmoid(chosen_scores - rejected_scores)
+    likelihood of the preference under the Bradley-Terry model, plus
+    center_coef * (r(y_w) + r(y_l))^2. The likelihood sees score differences only, so
+    each prompt's scores may drift by an offset of their own; the second term (TRL's
+    center_rewards_coefficient) holds every pair's scores around 0, so that a score's
+    sign means the same for every prompt."""
+    loss = -torch.nn.functional.logsigmoid(chosen_scores - rejected_scores)
+    if center_coef:
+        loss = loss + center_coef * (chosen_scores + rejected_scores) ** 2
+    return loss
 
 
 # ---------------------------------------------------------------- finiteness

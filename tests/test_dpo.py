@@ -1,6 +1,7 @@
 """DPO on the engine, with the embedded tiny model: the loss starts at ln 2 (policy =
 reference), the update's gradient is exactly the DPO loss's, and training on a fixed
-batch raises the implicit reward margin and accuracy (for IPO too)."""
+batch raises the implicit reward margin and accuracy (for IPO too). jobs/dpo.py on a
+pair file raises held-out exact match, and a group of 2 learners takes its steps."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,24 +108,40 @@ def test_training_on_a_fixed_batch_raises_the_margin_and_accuracy(model_path, lo
         assert (margins < 2.0).all()
 
 
-def run_dpo(args: list[str]) -> subprocess.CompletedProcess:
+def run_dpo(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "jobs/dpo.py", *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
-def test_dpo_job_on_a_pair_file_raises_held_out_exact_match(tmp_path):
-    # Pairs as a user would bring them: a JSONL file (here the built-in pairs written out).
+def records_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(job_env, tmp_path_factory) -> dict[str, Path]:
+    """jobs/dpo.py on a pair file (the built-in pairs written out, as a user brings
+    pairs): 20 steps in one learner, and its first 4 steps in a group of 2 learners (Ray
+    actors on the test session's cluster), evaluated and checkpointed at step 4 both."""
+    root = tmp_path_factory.mktemp("dpo")
     batches, _ = preference_batches(Config())
-    pairs = tmp_path / "pairs.jsonl"
+    pairs = root / "pairs.jsonl"
     pairs.write_text(
         "".join(json.dumps(p.to_json()) + "\n" for step in range(1, 21) for p in batches(step))
     )
-    run_dir = tmp_path / "run"
-    args = ["--data.train", str(pairs), "--learner.steps", "20", "--learner.eval_every", "20"]
-    result = run_dpo([*args, "--learner.lr", "1e-4", "--run-dir", str(run_dir)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    common = ["--data.train", str(pairs), "--learner.lr", "1e-4", "--learner.eval_every", "4"]
+    common += ["--learner.checkpoint_every", "4"]
+    runs = {"single": ["--learner.steps", "20"], "group": ["--learner.steps", "4"]}
+    runs["group"] += ["--learner.num_workers", "2"]
+    for name, args in runs.items():
+        result = run_dpo([*common, *args, "--run-dir", str(root / name)], job_env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return {name: root / name for name in runs}
+
+
+@pytest.mark.slow
+def test_dpo_job_on_a_pair_file_raises_held_out_exact_match(dpo_runs):
+    run_dir = dpo_runs["single"]
+    records = records_of(run_dir)
     assert [r["step"] for r in records] == list(range(1, 21))
     assert records[0]["loss"] == pytest.approx(math.log(2.0), abs=1e-6)  # policy = reference
     assert records[-1]["loss"] < math.log(2.0) and records[-1]["accuracy"] > 0.5
@@ -138,13 +156,39 @@ def test_dpo_job_on_a_pair_file_raises_held_out_exact_match(tmp_path):
     assert (policy / "config.json").is_file() and (policy / "tokenizer_config.json").is_file()
 
 
+@pytest.mark.slow
+def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(dpo_runs):
+    from transformers import AutoModelForCausalLM
+
+    single, group = records_of(dpo_runs["single"])[:4], records_of(dpo_runs["group"])
+    assert [r["step"] for r in group] == [1, 2, 3, 4]
+    for want, got in zip(single, group, strict=True):
+        for key in ("loss", "reward_margin", "accuracy", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    evaluation, wanted = group[3]["eval"], single[3]["eval"]
+    for key in ("pairs/loss", "pairs/reward_margin", "pairs/accuracy"):
+        assert evaluation[key] == pytest.approx(wanted[key], rel=1e-4, abs=1e-6), key
+    assert evaluation["exact_match"] == pytest.approx(wanted["exact_match"], abs=0.011)
+    assert json.loads((dpo_runs["group"] / "summary.json").read_text())["learners"] == 2
+    # The group's checkpoint: a whole HF policy, the one learner's weights, and an
+    # optimizer shard from each learner.
+    step = Path("checkpoints") / "step-000004"
+    weights = [
+        AutoModelForCausalLM.from_pretrained(dpo_runs[name] / step / "policy").state_dict()
+        for name in ("single", "group")
+    ]
+    for name, value in weights[0].items():
+        assert torch.allclose(weights[1][name], value, atol=2e-5, rtol=0), name
+    shards = sorted(p.name for p in (dpo_runs["group"] / step / "optimizer").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--learner.num_workers", "2"], "learner.num_workers: jobs/dpo.py trains in one learner"),
         (["--preference.label_smoothing", "0.5"], "preference.label_smoothing must be in [0, 0.5)"),
         (["--preference.loss", "ipo", "--preference.label_smoothing", "0.1"], "sigmoid loss only"),
-        (["--data.train", "builtin:multiplication"], "jobs/dpo.py's built-in pairs are"),
+        (["--data.train", "builtin:multiplication"], "the built-in preference pairs are"),
     ],
 )
 def test_dpo_job_bad_input_is_one_line_exit_2(args, message):

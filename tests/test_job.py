@@ -641,3 +641,76 @@ def test_help_lists_fields():
     result = run_job(["--help"], timeout=120)
     assert result.returncode == 0
     assert "--algorithm.kl_estimator" in result.stdout and "KL estimator: k1" in result.stdout
+
+
+def readme_preference_lines() -> list[str]:
+    """Returns the lines of the README's bash block that runs jobs/pairs.py."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
+    found = [b for b in blocks if re.search(r"^python jobs/pairs\.py", b, re.M)]
+    assert len(found) == 1, f"README.md has {len(found)} bash blocks running jobs/pairs.py"
+    return found[0].splitlines()
+
+
+# Appended to the README's lines, so that each job takes a few steps of small batches.
+PREFERENCE_FAST = {
+    "jobs/pairs.py": [],
+    "jobs/dpo.py": ["--learner.steps", "2", "--preference.pairs_per_step", "8"],
+    "jobs/reward_model.py": ["--preference.reward_model_steps", "20", "--learner.eval_every", "10"],
+    "jobs/ppo.py": [*SHORT_RUN, "--learner.steps", "2"],
+}
+PREFERENCE_SMALL = ["--preference.eval_pairs", "4", "--data.eval_size", "40"]
+
+
+def test_readme_preference_lines_turn_a_runs_episodes_into_a_policy_and_a_reward(
+    five_step_runs, job_env, tmp_path
+):
+    """The README's preference-learning lines, as written (plus fewer, smaller steps),
+    in order, in a directory of their own: a run's episodes become pairs, DPO trains a
+    policy on them, a reward model is fit to them, and a PPO run trains with that
+    reward model as its only reward, its episodes scored with it."""
+    root, _ = five_step_runs
+    (tmp_path / "jobs").symlink_to(REPO / "jobs")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "exp1").symlink_to(root / "a")
+    env = {**job_env, "PATH": f"{Path(sys.executable).parent}:{job_env.get('PATH', '')}"}
+    for line in readme_preference_lines():
+        job = re.search(r"jobs/\w+\.py", line)[0]
+        extra = PREFERENCE_FAST[job] + (PREFERENCE_SMALL if job != "jobs/pairs.py" else [])
+        command = f"{line} {' '.join(extra)}"
+        result = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+
+    # Pairs: episodes of one prompt of run a, the chosen one right and the rejected wrong.
+    pairs = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+    episodes = {e.episode_id: e for e in stored_episodes(root / "a")}
+    assert len(pairs) > 4  # some left to train on after the 4 held out
+    for pair in pairs:
+        chosen, rejected = episodes[pair["chosen_episode"]], episodes[pair["rejected_episode"]]
+        assert chosen.prompt == rejected.prompt == pair["prompt"]
+        assert (chosen.reward, rejected.reward) == (1.0, 0.0)
+        assert (pair["chosen"], pair["rejected"]) == (chosen.completion, rejected.completion)
+    # DPO: two steps, a checkpoint of its policy; the reward model: an HF classifier.
+    dpo = json.loads((tmp_path / "runs" / "dpo1" / "summary.json").read_text())
+    assert dpo["steps"] == 2 and "exact_match" in dpo["final_eval"]
+    assert (tmp_path / "runs" / "dpo1" / "checkpoints" / "latest").read_text() == "step-000002"
+    model_path = tmp_path / "runs" / "rm1" / "reward_model"
+    rm = json.loads((tmp_path / "runs" / "rm1" / "summary.json").read_text())
+    assert rm["steps"] == 20 and rm["reward_model"] == str(model_path)
+    # PPO: every episode's reward is the reward model's score of its prompt and completion.
+    from rlray.rewards.model_rewards import ClassifierReward
+
+    trained = [e for e in stored_episodes(tmp_path / "runs" / "ppo-rm1") if e.reward is not None]
+    assert len(trained) >= 64
+    score = ClassifierReward(str(model_path))
+    want = score([e.prompt for e in trained], [e.completion for e in trained])
+    assert [e.reward for e in trained] == pytest.approx(want, abs=1e-4)
+    assert [e.reward_components for e in trained[:1]] == [{"classifier_reward": trained[0].reward}]
+    steps = metrics(tmp_path / "runs" / "ppo-rm1")
+    assert [s["step"] for s in steps] == [1, 2]

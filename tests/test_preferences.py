@@ -148,14 +148,20 @@ def test_pairs_job_turns_a_stores_episodes_into_a_pair_file(tmp_path):
     assert missing.stderr.startswith("pairs.py: error: no such episode store")
 
 
-def test_builtin_pairs_choose_the_sum_over_a_near_miss():
+def test_builtin_pairs_choose_the_sum_over_near_misses_and_far_ones():
     from rlray.data import arithmetic_row
 
-    pairs = [arithmetic_pair(arithmetic_row(40, 6), i) for i in range(4)]
-    assert [(p.prompt, p.chosen) for p in pairs] == [("40+6=", "46")] * 4
-    assert [p.rejected for p in pairs] == ["47", "45", "56", "36"]
-    # Never negative: 0+0 misses by +1 and +10 only.
-    assert [arithmetic_pair(arithmetic_row(0, 0), i).rejected for i in range(3)] == ["1", "10", "1"]
+    pairs = [arithmetic_pair(arithmetic_row(40, 6), i, digits=2) for i in range(400)]
+    assert {(p.prompt, p.chosen, p.columns["answer"]) for p in pairs} == {("40+6=", "46", "46")}
+    near, far = [int(p.rejected) for p in pairs[0::2]], [int(p.rejected) for p in pairs[1::2]]
+    assert set(near) == {47, 45, 56, 36}
+    # Far misses: any other sum of two 2-digit numbers (0..198), spread over the range.
+    assert 46 not in far and min(far) >= 0 and max(far) <= 198
+    assert len(set(far)) > 100 and sum(abs(w - 46) > 10 for w in far) > 150
+    # Seeded by the index: the same pair every time; never negative for 0+0.
+    assert arithmetic_pair(arithmetic_row(40, 6), 7, 2) == pairs[7]
+    zero = [int(arithmetic_pair(arithmetic_row(0, 0), i, 2).rejected) for i in range(0, 40, 2)]
+    assert set(zero) == {1, 10}
 
 
 def test_builtin_batches_train_on_other_prompts_than_the_held_out_pairs():

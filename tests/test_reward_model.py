@@ -4,14 +4,18 @@ the `classifier_reward` built-in, scoring in a real reward worker as it scored h
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from rlray.config import Config, RewardSpec
 from rlray.models import resolve_model_path
 from rlray.preferences import preference_batches
-from rlray.reward_model import RewardModelTrainer
+from rlray.reward_model import RewardModelTrainer, cosine_factor
 from rlray.rewards import RewardWorker
+from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
 
 
@@ -23,7 +27,7 @@ def trained(tmp_path_factory):
     pairs = batches(1)
     trainer = RewardModelTrainer(resolve_model_path(config.model.path), lr=1e-3)
     before = trainer.evaluate(pairs)
-    for _ in range(10):
+    for _ in range(20):
         trainer.step(pairs)
     after = trainer.evaluate(pairs)
     directory = tmp_path_factory.mktemp("reward-model")
@@ -56,3 +60,40 @@ def test_the_saved_model_scores_through_classifier_reward_in_a_reward_worker(tra
         trainer.model.eval()
         want = trainer.scores([p.prompt for p in pairs], [p.chosen for p in pairs])
     torch.testing.assert_close(chosen, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_learning_rate_falls_along_a_cosine_to_a_hundredth():
+    assert [cosine_factor(done, 100) for done in (0, 50, 100, 150)] == pytest.approx(
+        [1.0, 0.505, 0.01, 0.01]
+    )
+    assert cosine_factor(10**6, None) == 1.0
+
+
+def test_the_trainer_steps_down_its_rate(trained):
+    trainer = RewardModelTrainer(trained[0].model.name_or_path, lr=1e-3, steps=4)
+    pairs = trained[1][:4]
+    rates = [trainer.step(pairs)["lr"] for _ in range(4)]
+    assert rates == pytest.approx([1e-3 * cosine_factor(k, 4) for k in range(4)])
+    assert rates[0] == pytest.approx(1e-3) and rates[2] == pytest.approx(0.505e-3)
+
+
+def run_reward_model_job(args: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "jobs/reward_model.py", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--resume", "runs/x"], "--resume"),
+        (["--preference.reward_model_steps", "0"], "preference.reward_model_steps must be"),
+        (["--preference.reward_model_lr", "-1"], "preference.reward_model_lr must be"),
+        (["--data.train", "no-such-pairs.jsonl"], "no-such-pairs.jsonl"),
+        (["--data.train", "builtin:multiplication"], "the built-in preference pairs are"),
+    ],
+)
+def test_reward_model_job_bad_input_is_one_line_exit_2(args, message):
+    result = run_reward_model_job(args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("reward_model.py: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1

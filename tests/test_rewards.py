@@ -118,6 +118,18 @@ def test_module_import_path_and_relative_file(user_file, monkeypatch):
     )
 
 
+def test_a_relative_model_path_is_made_absolute_where_it_names_a_local_directory(tmp_path):
+    (tmp_path / "rm1" / "reward_model").mkdir(parents=True)
+    local = RewardSpec(name="classifier_reward", kwargs={"model_path": "rm1/reward_model", "a": 1})
+    made = absolute_spec_path(local, tmp_path)
+    assert made.kwargs == {"model_path": str(tmp_path / "rm1" / "reward_model"), "a": 1}
+    assert made.name == "classifier_reward" and local.kwargs["model_path"] == "rm1/reward_model"
+    # A hub name (nothing of that name here) and an absolute path are left as they are.
+    for path in ("org/some-reward-model", str(tmp_path / "rm1")):
+        spec = RewardSpec(name="classifier_reward", kwargs={"model_path": path})
+        assert absolute_spec_path(spec, tmp_path).kwargs == {"model_path": path}
+
+
 def test_class_reward_is_constructed_once_with_kwargs(user_file):
     worker = RewardWorker("reward-0", [spec(user_file, "Scaled", kwargs={"factor": 2.0})])
     scored, _ = worker.score(episodes("abc"))

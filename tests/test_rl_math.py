@@ -479,6 +479,17 @@ def test_implicit_rewards_and_bradley_terry_hand_values():
     torch.testing.assert_close(shifted, loss[:1])
 
 
+def test_the_centring_term_adds_the_squared_sum_of_a_pairs_scores():
+    chosen, rejected = torch.tensor([math.log(3.0), 2.0]), torch.tensor([0.0, -2.0])
+    plain = rm.bradley_terry_loss(chosen, rejected)
+    # ln 3 + 0 = ln 3: 0.5 (ln 3)^2 more; 2 + (-2) = 0: nothing more (centred already)
+    centred = rm.bradley_terry_loss(chosen, rejected, center_coef=0.5)
+    torch.testing.assert_close(centred, plain + torch.tensor([0.5 * math.log(3.0) ** 2, 0.0]))
+    # A shift of both scores leaves the likelihood and moves the centring term only.
+    moved = rm.bradley_terry_loss(chosen + 1, rejected + 1, center_coef=0.5)
+    torch.testing.assert_close(moved - plain, 0.5 * (chosen + rejected + 2) ** 2)
+
+
 def test_every_function_makes_its_tensors_on_the_inputs_device():
     # On the meta device any tensor made on the CPU (not a 0-dim scalar) raises when it
     # meets the inputs; no data is needed to run the math there.

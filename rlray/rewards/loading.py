@@ -83,13 +83,20 @@ def scheduled_weight(spec: RewardSpec, step: int) -> float:
 
 
 def absolute_spec_path(spec: RewardSpec, base: Path) -> RewardSpec:
-    """Returns the spec with a relative "file.py:attr" made absolute against `base`, so
-    that reward actors (whose working directory may differ) find the same file."""
+    """Returns the spec with a relative "file.py:attr", and a relative `model_path`
+    among its kwargs that names something under `base` (not a hub name), made absolute
+    against `base`, so that reward actors (whose working directory may differ) find the
+    same file and model."""
     target = BUILTIN_REWARDS.get(spec.name, spec.name)
     file_part, _, attr = target.rpartition(":")
-    if not file_part.endswith(".py") or Path(file_part).is_absolute():
-        return spec
-    return RewardSpec(**{**spec.__dict__, "name": f"{(base / file_part).resolve()}:{attr}"})
+    fields = dict(spec.__dict__)
+    if file_part.endswith(".py") and not Path(file_part).is_absolute():
+        fields["name"] = f"{(base / file_part).resolve()}:{attr}"
+    model_path = spec.kwargs.get("model_path")
+    relative = isinstance(model_path, str) and not Path(model_path).is_absolute()
+    if relative and (base / model_path).exists():
+        fields["kwargs"] = {**spec.kwargs, "model_path": str((base / model_path).resolve())}
+    return RewardSpec(**fields)
 
 
 def resolve_target(name: str) -> Any:
