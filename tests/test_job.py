@@ -413,7 +413,9 @@ def group_run(ray_cluster, job_env, tmp_path_factory):
     Prometheus export is scraped every 2 s while it runs. Returns the run directory and
     the samples exported for the run, by series."""
     root = tmp_path_factory.mktemp("grpo")
-    run_dir = root / "run"
+    # Its own run id: the export is filtered by it, and Ray keeps exporting a finished
+    # run's last gauges for a while (another run named "run" made this test fail).
+    run_dir = root / "grpo-run"
     algorithm = ["--algorithm.advantage", "grpo", "--algorithm.drop_uniform_groups", "true"]
     args = [*SHORT_RUN, *algorithm, "--algorithm.kl_coef", "0", "--model.dtype", "bfloat16"]
     # Steps 2-5 leave Ray's metrics export (every 2 s here, see conftest) time to carry
