@@ -131,11 +131,13 @@ def test_posted_episodes_reach_s3_once_across_an_outage_and_ctrl_c_keeps_every_e
     server = start_s3(s3_port)
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="episodes")
     port, run_dir = free_port(), tmp_path / "ingest"
+    # Steps to outlast the test: a run that ends before the Ctrl-C exits 0 (200 steps did,
+    # twice in one day's suites); a Ctrl-C that is lost times out below.
     job = start_job(
         [
             *SHORT_RUN,
             "--learner.steps",
-            "200",
+            "100000",
             "--run-dir",
             str(run_dir),
             "--store.path",
