@@ -1,14 +1,17 @@
-"""Weight-sync seconds against state-dict size, with one and two rollout workers.
+"""Weight-sync seconds against state-dict size, with one and two rollout workers, by
+each path a CPU run can take.
 
-For each model, in one run: the real sync path (the learner actor publishes its
-weights once into the object store, every rollout actor loads them into vLLM in place
-and resets its prefix cache; TrainingDriver.sync_weights), timed from the driver, against
-one in-memory copy of the same bytes (clone of every tensor of the state dict) in this
-process; a copy into memory already allocated is printed alongside, for scale. Models:
-the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same architecture (random
-weights, built here, never downloaded). Goal: sync <= 3x copy.
+For each model, in one run: the real sync path, timed from the driver
+(TrainingDriver.sync_weights), against one in-memory copy of the same bytes (clone of
+every tensor of the state dict) in this process; a copy into memory already allocated is
+printed alongside, for scale. The paths (rollout.weight_sync): object_store (the learner
+actor publishes its weights once into the object store, every rollout actor loads them
+into vLLM in place and resets its prefix cache) and gloo (vLLM's weight-transfer engine:
+the learner broadcasts tensor by tensor into every engine, which loads them layer by
+layer). Models: the embedded tiny model, and a ~0.5 GB synthetic Qwen2 of the same
+architecture (random weights, built here, never downloaded). Goal: sync <= 3x copy.
 
-    python benchmarks/weight_sync.py [--repeats 5] [--skip-large]
+    python benchmarks/weight_sync.py [--repeats 5] [--skip-large] [--paths object_store gloo]
 """
 
 from __future__ import annotations
@@ -60,11 +63,15 @@ def copy_seconds(model_path: str, repeats: int) -> tuple[float, float, int]:
     return statistics.median(clones), statistics.median(into), size
 
 
-def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> tuple[float, float]:
-    """Returns the median wall seconds of TrainingDriver.sync_weights with `workers` actors,
-    and the median of its slowest worker's load (vLLM reload + prefix-cache reset)."""
+def sync_seconds(
+    model_path: str, workers: int, path: str, repeats: int, run_dir: Path
+) -> tuple[float, float | None]:
+    """Returns the median wall seconds of TrainingDriver.sync_weights with `workers` actors
+    and weight sync `path`, and the median of its slowest worker's load (vLLM reload +
+    prefix-cache reset; None for a transfer, whose loads happen inside the send)."""
     config = Config()
     config.rollout.num_workers = workers
+    config.rollout.weight_sync = path
     config.model.path = model_path
     config.run_dir = str(run_dir)
     plan = RunPlan(
@@ -79,11 +86,13 @@ def sync_seconds(model_path: str, workers: int, repeats: int, run_dir: Path) -> 
     actors = start_actors(config, model_path, "bench", None)
     try:
         driver = TrainingDriver(plan, actors, version=0, prompt_cursor=0)
-        driver.sync_weights()  # warm-up
+        driver.sync_weights()  # warm-up (and a transfer's opening)
         timings = [driver.sync_weights() for _ in range(repeats)]
+        assert all(t["weight_sync"] == path for t in timings), timings
+        loads = [t["weight_load_seconds"] for t in timings]
         return (
             statistics.median(t["weight_sync_seconds"] for t in timings),
-            statistics.median(t["weight_load_seconds"] for t in timings),
+            None if None in loads else statistics.median(loads),
         )
     finally:
         actors.kill()
@@ -93,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--paths", nargs="+", default=["object_store", "gloo"])
     args = parser.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="rlray-bench-") as scratch:
@@ -102,13 +112,17 @@ def main() -> None:
         for name, path in models.items():
             copy, copy_into, size = copy_seconds(path, args.repeats)
             for workers in (1, 2):
-                sync, load = sync_seconds(path, workers, args.repeats, Path(scratch) / "run")
-                print(
-                    f"{name:<5} {size / 2**20:8.1f} MiB  workers {workers}  sync {sync:8.4f} s  "
-                    f"(slowest worker load {load:8.4f} s)  one copy {copy:8.4f} s  "
-                    f"ratio {sync / copy:6.2f}  (copy into allocated memory {copy_into:8.4f} s)",
-                    flush=True,
-                )
+                for sync_path in args.paths:
+                    run = Path(scratch) / "run"
+                    sync, load = sync_seconds(path, workers, sync_path, args.repeats, run)
+                    slowest = "-" if load is None else f"{load:.4f} s"
+                    print(
+                        f"{name:<5} {size / 2**20:8.1f} MiB  workers {workers}  "
+                        f"{sync_path:<12}  sync {sync:8.4f} s  (slowest worker load {slowest})"
+                        f"  one copy {copy:8.4f} s  ratio {sync / copy:6.2f}  "
+                        f"(copy into allocated memory {copy_into:8.4f} s)",
+                        flush=True,
+                    )
     ray.shutdown()
 
 

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.checkpoints import checkpoint_version
-from rlray.config import Config, IngestConfig, StoreConfig
+from rlray.config import Config, IngestConfig, StoreConfig, weight_sync
 from rlray.data import PromptRow
 from rlray.episode import Episode, ModelLimits
 from rlray.evaluation import EvalEpisodes
@@ -179,6 +179,39 @@ class LearnerActor(_GroupMember):
         weights = pack_weights(self.learner.published_weights(), self.learner.tied_output)
         return self.learner.version, weights
 
+    def open_weight_transfer(
+        self,
+        backend: str,
+        address: str,
+        port: int,
+        workers: list[tuple[str, Any]],
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        """Opens vLLM's weight transfer to the named rollout workers (rlray.weight_transfer);
+        every learner of a group opens it, rank 0's address and port are the group's."""
+        from rlray.weight_transfer import RolloutClient
+
+        # A tied output embedding is sent under its own name only where vLLM's model takes
+        # it, which a worker tells. Rank 0 alone asks (the others' stream is not sent):
+        # a worker's answer waits behind its update_weights, which waits on the gathers.
+        tied = self.learner.tied_output if self.rank == 0 else None
+        if tied is not None:
+            name, first = workers[0]
+            if not wait_for(first.loads_tied_output.remote(tied), name, "tied check", timeout_s):
+                tied = None
+        client = RolloutClient(workers, timeout_s)
+        self.learner.open_weight_transfer(
+            backend, client, address, port, world_size, tied, timeout_s
+        )
+
+    def send_weights(self) -> int:
+        """Sends the current weights through the open transfer; returns their version."""
+        return self.learner.send_weights()
+
+    def close_weight_transfer(self) -> None:
+        self.learner.close_weight_transfer()
+
     def check_parity(self, episodes: list[Episode]) -> float | None:
         return self.learner.check_parity(episodes)
 
@@ -252,6 +285,11 @@ class RolloutActor(RolloutWorker):
         if result.accuracy is not None:
             self.telemetry.set("rlray_eval_accuracy", result.accuracy)
         return episodes, result
+
+    def finish_weight_update(self, version: int) -> None:
+        super().finish_weight_update(version)
+        self.awaiting_weights = False
+        self.telemetry.set("rlray_policy_version", self.policy_version)
 
     def load_published(self, published: tuple[int, PackedWeights]) -> tuple[int, float]:
         """Loads a published (version, weights) pair in place; returns the version now
@@ -570,6 +608,7 @@ def _start_rollout_workers(
     rollout_model = _model_for_actors(config, model_path)
     version = checkpoint_version(checkpoint) if checkpoint else 0
     env = {"env_vars": vllm_env(config.rollout)}
+    rollout = replace(config.rollout, weight_sync=weight_sync(config))
     return [
         ray.remote(RolloutActor)
         .options(
@@ -578,7 +617,7 @@ def _start_rollout_workers(
             max_restarts=config.ray.max_actor_restarts,
             **placement.actor_options("rollout", i),
         )
-        .remote(name, rollout_model, config.model, config.rollout, run_id, config.seed + i, version)
+        .remote(name, rollout_model, config.model, rollout, run_id, config.seed + i, version)
         for i, name in enumerate(names)
     ]
 

@@ -50,6 +50,7 @@ LossAggregation = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
+WeightSync = Literal["auto", "object_store", "nccl", "gloo"]
 KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
 RolloutCorrection = Literal["token", "sequence", "off"]
@@ -159,6 +160,13 @@ class RolloutConfig:
     """GPUs one rollout worker's vLLM engine spans (tensor parallelism, through vLLM's
     Ray executor). Above 1 each rollout worker gets a placement group of its own, one
     GPU bundle per rank, all on one node (STRICT_PACK); gpus_per_worker must equal it."""
+    weight_sync: WeightSync = "auto"
+    """How the learner's weights reach the rollout workers after a step. object_store:
+    the learner publishes them as one object that every worker loads (any devices; also
+    what a restarted worker loads). nccl: vLLM's weight-transfer engine broadcasts them
+    from the learner's GPU into every worker's engine, tensor by tensor. gloo: the same
+    engine over a gloo group, on CPU. auto: nccl when the learner (learner.gpus) and the
+    rollout workers (gpus_per_worker) have GPUs, else object_store."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
     nodes started with `ray start --resources '{"rollout_node": 4}'`."""
@@ -813,6 +821,7 @@ def validate(config: Config) -> None:
             f"got {r.gpus_per_worker}"
         )
     _check_preference(config.preference)
+    _check_weight_sync(config)
     if config.model.lora.rank and learner.num_workers > 1:
         raise ConfigError(
             "model.lora with learner.num_workers > 1: LoRA adapters train in one learner"
@@ -917,6 +926,30 @@ def _check_preference(preference: PreferenceConfig) -> None:
         )
     if preference.label_smoothing and preference.loss != "sigmoid":
         raise ConfigError("preference.label_smoothing applies to the sigmoid loss only")
+
+
+def weight_sync(config: Config) -> str:
+    """Returns how weights reach the rollout workers: "object_store", "nccl" or "gloo"
+    (rollout.weight_sync with "auto" resolved)."""
+    chosen = config.rollout.weight_sync
+    if chosen != "auto":
+        return chosen
+    on_gpus = config.learner.gpus > 0 and config.rollout.gpus_per_worker > 0
+    return "nccl" if on_gpus else "object_store"
+
+
+def _check_weight_sync(config: Config) -> None:
+    r, learner = config.rollout, config.learner
+    if r.weight_sync == "nccl" and not (learner.gpus > 0 and r.gpus_per_worker > 0):
+        raise ConfigError(
+            "rollout.weight_sync nccl needs GPUs on both ends: learner.gpus "
+            f"{learner.gpus}, rollout.gpus_per_worker {r.gpus_per_worker}"
+        )
+    if r.weight_sync == "gloo" and r.tensor_parallel_size > 1:
+        raise ConfigError(
+            "rollout.weight_sync gloo with rollout.tensor_parallel_size > 1: the gloo "
+            "engine is registered in the rollout actor's process, not in its ranks'"
+        )
 
 
 def _check_lora(lora: LoraConfig) -> None:

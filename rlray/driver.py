@@ -24,7 +24,14 @@ import yaml
 from rlray.actors import ActorFailure, Actors, wait_for
 from rlray.buffer import BufferedBatch
 from rlray.checkpoints import latest_checkpoint
-from rlray.config import Config, ConfigError, EvalConfig, config_to_dict, eval_rewards
+from rlray.config import (
+    Config,
+    ConfigError,
+    EvalConfig,
+    config_to_dict,
+    eval_rewards,
+    weight_sync,
+)
 from rlray.data import (
     PromptRow,
     PromptSource,
@@ -287,6 +294,8 @@ class TrainingDriver:
         self.next_batch_id = 0
         self.tally = RolloutTally()
         self.published: Any = None  # ObjectRef of the last published weights
+        self.transfer = weight_sync(plan.config)  # object_store, nccl or gloo
+        self.transfer_open = False  # the learners' weight transfer to the workers
         self.parity_probe: Any = None  # held so a failed probe is not reported as unhandled
         self.store_writes: dict[str, StoreWrite] = {}
         self.restarts: dict[str, int] = {}
@@ -477,7 +486,10 @@ class TrainingDriver:
         self._wait_until_up(name, failure)
         self.restarts[name] = self.restarts.get(name, 0) + 1
         if name in self.actors.rollout_names:
+            if self.published is None:  # weights sent by transfer: publish them now
+                self.published = self.actors.learner.publish_weights.remote()
             self._load_weights(self.actors.rollout_names.index(name))
+            self.transfer_open = False  # its new engine joins at the next sync
         elif name == "buffer":
             batches = list(self.buffered.values())
             ref = self.actors.buffer.restore.remote(batches, self.reserved_episodes)
@@ -586,20 +598,69 @@ class TrainingDriver:
 
     def _sync_weights(self) -> dict[str, Any]:
         started = time.perf_counter()
-        self.published = self.actors.learner.publish_weights.remote()
-        loaded = {
-            name: self._load_weights(worker)
-            for worker, name in enumerate(self.actors.rollout_names)
-        }
+        if self.transfer == "object_store":
+            path, loaded = "object_store", self._publish_and_load()
+        else:
+            path, loaded = self._send_weights()
         if self.config.buffer.max_staleness > 0:
             self._probe_parity()
         seconds = time.perf_counter() - started
         self.telemetry.set("rlray_weight_sync_seconds", seconds)
+        load_seconds = [s for _, s in loaded.values() if s is not None]
         return {
+            "weight_sync": path,
             "weight_sync_seconds": seconds,
-            "weight_load_seconds": max(s for _, s in loaded.values()),
+            "weight_load_seconds": max(load_seconds) if load_seconds else None,
             "weight_versions_loaded": {name: version for name, (version, _) in loaded.items()},
         }
+
+    def _publish_and_load(self) -> dict[str, tuple[int, float | None]]:
+        """The object-store sync: the learner publishes one object, every worker loads it."""
+        self.published = self.actors.learner.publish_weights.remote()
+        return {
+            name: self._load_weights(worker)
+            for worker, name in enumerate(self.actors.rollout_names)
+        }
+
+    def _send_weights(self) -> tuple[str, dict[str, tuple[int, float | None]]]:
+        """vLLM's weight transfer: the learners send (rank 0 broadcasting into every
+        worker's engine); opened at the first sync and again after a worker's restart.
+        Returns the path the weights took and, per worker, (version, load seconds).
+
+        If the transfer fails while the learner lives (a worker died or failed mid-send),
+        a lone learner closes it and this sync goes through the object store (a dead
+        worker is waited for and loads there too). In a group that ends the attempt as a
+        learner death does: its learners may be stuck in different gathers, so the job
+        resumes from its checkpoint with new actors (ray.max_job_restarts)."""
+        try:
+            if not self.transfer_open:
+                self._open_transfer()
+            version = self._call("learner", self.actors.learner.send_weights.remote(), "sync")
+        except ActorFailure as failure:
+            if failure.died:  # the learner died: reported as such
+                raise
+            if self.config.learner.num_workers > 1:
+                raise ActorFailure(f"weight transfer failed: {failure}", died=True) from failure
+            logger.warning("weight transfer failed (%s); syncing through the object store", failure)
+            self.transfer_open = False
+            closed = self.actors.learner.close_weight_transfer.remote()
+            self._call("learner", closed, "closing the weight transfer")
+            return "object_store", self._publish_and_load()
+        self.published = None  # the last published object is no longer the weights
+        self.worker_versions = [version] * len(self.actors.rollout)
+        return self.transfer, {name: (version, None) for name in self.actors.rollout_names}
+
+    def _open_transfer(self) -> None:
+        learners = self.actors.learner
+        address, port = self._call("learner", learners.handles[0].rendezvous.remote(), "sync")
+        rollout = self.config.rollout
+        world_size = 1 + len(self.actors.rollout) * rollout.tensor_parallel_size
+        workers = list(zip(self.actors.rollout_names, self.actors.rollout, strict=True))
+        opened = learners.open_weight_transfer.remote(
+            self.transfer, address, port, workers, world_size, self.timeout
+        )
+        self._call("learner", opened, "opening the weight transfer")
+        self.transfer_open = True
 
     def _probe_parity(self) -> None:
         """Has the learner check this sync's logprob parity on a few fresh episodes.

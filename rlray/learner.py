@@ -112,6 +112,7 @@ class Learner:
         self.version = 0
         self.prompt_cursor = 0
         self.probe_parity: float | None = None
+        self.sender: Any = None  # rlray.weight_transfer.TransferSender, once opened
         if checkpoint:
             state = json.loads((Path(checkpoint) / "state.json").read_text())
             self.version = int(state["version"])
@@ -321,6 +322,41 @@ class Learner:
         """Returns the HF-named weights the rollout workers load, in their dtype, on CPU."""
         keep = self.engine.rank == 0  # the group's rank 0 publishes
         return publishable_weights(self.engine.policy, self.rollout_dtype, keep=keep)
+
+    def open_weight_transfer(
+        self,
+        backend: str,
+        client: Any,
+        address: str,
+        port: int,
+        world_size: int,
+        tied_output: str | None,
+        timeout_s: float,
+    ) -> None:
+        """Opens vLLM's weight transfer ("nccl" or "gloo", rlray.weight_transfer) to the
+        rollout workers behind `client`; rank 0 of a group opens the transfer group at
+        address:port. `tied_output` is the output embedding's name where the rollout model
+        loads it (None: not sent). Closes an earlier transfer first."""
+        from rlray.weight_transfer import PolicySource, TransferSender
+
+        self.close_weight_transfer()
+        source = PolicySource(self.engine.policy, self.rollout_dtype, tied_output)
+        rank = self.engine.rank
+        self.sender = TransferSender(
+            backend, source, client, rank, address, port, world_size, timeout_s
+        )
+
+    def send_weights(self) -> int:
+        """Sends the current weights through the open transfer; returns their version."""
+        if self.sender is None:
+            raise RuntimeError("send_weights before open_weight_transfer")
+        self.sender.send(self.version)
+        return self.version
+
+    def close_weight_transfer(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
 
     @property
     def tied_output(self) -> str | None:

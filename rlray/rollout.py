@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rlray.chat import RenderedPrompt, episode_columns, render_prompt
 from rlray.config import ModelConfig, RolloutConfig
@@ -168,6 +169,16 @@ class RolloutWorker:
             engine_args["block_size"] = KV_BLOCK_TOKENS
             if rollout.kv_cache_gib == 0:
                 engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
+        # The actors get weight_sync resolved ("auto" is the object store here).
+        sync = rollout.weight_sync
+        if sync in ("nccl", "gloo"):
+            from vllm.config import WeightTransferConfig
+
+            if sync == "gloo":
+                from rlray.weight_transfer import register_backends
+
+                register_backends()  # before the engine: its worker creates the engine
+            engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
         if rollout.environment:
             # Turns arrive while others decode, and a prefill split across engine steps
             # (chunked prefill) fails for seeded sampling on the CPU build ("CPU Generator
@@ -350,6 +361,35 @@ class RolloutWorker:
         gc.freeze()s them at start) and its torch.distributed group, which the next
         engine in this process creates again."""
         self.llm.llm_engine.engine_core.shutdown()
+
+    # vLLM's weight-transfer engine (rollout.weight_sync nccl or gloo; rlray.weight_transfer):
+    # the learner's client calls these, and the tensors arrive inside update_weights.
+
+    def open_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Joins the learner's transfer group (blocks until the learner opens it), leaving
+        the group it was in (a reopened transfer's)."""
+        self.llm.shutdown_weight_transfer_engine()
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receives every tensor the learner broadcasts and loads it (layerwise)."""
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, version: int) -> None:
+        """Ends the update (vLLM processes the loaded layers); this worker holds `version`."""
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+
+    def loads_tied_output(self, tied_output: str) -> bool:
+        """Whether vLLM's model takes the tied output embedding under its own name."""
+        from rlray.weights import weights_for_vllm
+
+        architecture = self.llm.model_config.architecture
+        return tied_output in weights_for_vllm({tied_output: None}, tied_output, architecture)
 
     def load_weights(self, version: int, weights: Mapping) -> float:
         """Loads a published state dict in place and returns the seconds it took."""

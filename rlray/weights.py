@@ -59,6 +59,14 @@ def tied_output_name(model: nn.Module) -> str | None:
     return None if tied is None else tied[0]
 
 
+def input_embedding_name(model: nn.Module) -> str:
+    """Returns the HF name of the input embedding's weight."""
+    plain = _transformers_model(model)
+    embedding = plain.get_input_embeddings()
+    names = {id(module): name for name, module in plain.named_modules()}
+    return f"{names[id(embedding)]}.weight"
+
+
 def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, tensor) of every parameter of the transformers model, detached. For
     a PEFT model with LoRA adapters that is the merged model: each adapted layer's weight
@@ -72,6 +80,29 @@ def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     # tiny model: 0.28 s against 0.17 s merged). It also keeps the rollout side as it is
     # (names, shapes, reload_weights). The adapters alone would be a smaller message
     # (6.5 MB against 276 MB in bfloat16 for 138M), which could win across slow links.
+    for name, param, lora_layer in _published_parameters(model):
+        if lora_layer is None:
+            # A learner group's parameter is a shard (a DTensor): gathered here, one
+            # tensor at a time, by every learner of the group at once.
+            yield name, _whole(param.detach())
+        else:
+            # Not around the yield: the caller would run without gradients meanwhile.
+            with torch.no_grad():
+                deltas = (lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters)
+                merged = param + sum(deltas)
+            yield name, merged
+
+
+def published_shapes(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Returns (HF name, whole shape) of what `merged_parameters` yields, in its order,
+    without gathering or merging anything (a shard's shape is its whole tensor's)."""
+    return [(name, tuple(param.shape)) for name, param, _ in _published_parameters(model)]
+
+
+def _published_parameters(
+    model: nn.Module,
+) -> Iterator[tuple[str, torch.Tensor, nn.Module | None]]:
+    """Yields (HF name, parameter, LoRA layer to merge it with or None), adapters left out."""
     plain = _transformers_model(model)
     layers = dict(plain.named_modules())
     for name, param in plain.named_parameters():
@@ -79,17 +110,11 @@ def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         layer, found, leaf = name.rpartition(".base_layer.")
         if not found:
-            # A learner group's parameter is a shard (a DTensor): gathered here, one
-            # tensor at a time, by every learner of the group at once.
-            yield name, _whole(param.detach())
+            yield name, param, None
         elif leaf != "weight":  # a bias: LoRA adapts weights only
-            yield f"{layer}.{leaf}", param.detach()
+            yield f"{layer}.{leaf}", param, None
         else:
-            module = layers[layer]
-            # Not around the yield: the caller would run without gradients meanwhile.
-            with torch.no_grad():
-                merged = param + sum(module.get_delta_weight(a) for a in module.active_adapters)
-            yield f"{layer}.{leaf}", merged
+            yield f"{layer}.{leaf}", param, layers[layer]
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ from rlray.actors import RolloutActor
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.rollout import vllm_env
 
-# Every test's rollout uses this config, so one vllm_env serves them all.
-ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8)
+# Every test's rollout uses this config, so one vllm_env serves them all. Its engines take
+# weights both ways: published objects and vLLM's weight transfer (over gloo here).
+ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8, weight_sync="gloo")
 
 
 class RolloutHost:
@@ -51,6 +52,26 @@ class RolloutHost:
     def load_published(self, published: Any) -> tuple[int, float]:
         # Ray resolved the object reference for this call, as it does for an actor's.
         return self.rollout.load_published(published)
+
+    # The weight-transfer calls a learner's RolloutClient makes (rlray.weight_transfer).
+
+    def open_weight_transfer(self, init_info: dict) -> None:
+        self.rollout.open_weight_transfer(init_info)
+
+    def start_weight_update(self) -> None:
+        self.rollout.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.rollout.update_weights(update_info)
+
+    def finish_weight_update(self, version: int) -> None:
+        self.rollout.finish_weight_update(version)
+
+    def loads_tied_output(self, tied_output: str) -> bool:
+        return self.rollout.loads_tied_output(tied_output)
+
+    def policy_version(self) -> int:
+        return self.rollout.policy_version
 
 
 @contextlib.contextmanager

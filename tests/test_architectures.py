@@ -1,7 +1,8 @@
 """Weight sync per architecture: what the learner publishes for each model family, the
 packed transport's exact round trip, and - with a vLLM rollout actor per architecture,
-each in the session's one rollout process (tests/rollout_host.py) - that published
-weights reproduce an HF forward pass after every sync.
+each in the session's one rollout process (tests/rollout_host.py) - that weights
+reproduce an HF forward pass after every sync, published through the object store or
+sent through vLLM's weight transfer (rlray/weight_transfer.py, over gloo).
 
 The models are tiny and random (hidden 128, 2 layers, head_dim 64 as vLLM's CPU
 attention needs, the character tokenizer), built offline. Before each sync every
@@ -25,6 +26,7 @@ from transformers import PreTrainedModel
 from rlray.data import PromptRow
 from rlray.episode import Episode
 from rlray.models import build_char_tokenizer
+from rlray.weight_transfer import PolicySource, RolloutClient, TransferSender
 from rlray.weights import (
     pack_weights,
     publishable_weights,
@@ -32,6 +34,7 @@ from rlray.weights import (
     unpack_weights,
     weights_for_vllm,
 )
+from tests.conftest import free_port
 from tests.rollout_host import RolloutHost, rollout_actor
 
 ARCHITECTURES = {
@@ -200,6 +203,22 @@ def sync(actor, model: PreTrainedModel, dtype: torch.dtype, version: int) -> Non
     assert held == version
 
 
+def open_transfer(actor, model: PreTrainedModel, dtype: torch.dtype) -> TransferSender:
+    """Opens vLLM's weight transfer (gloo) from this process, as a learner opens it."""
+    tied = tied_output_name(model)
+    if tied is not None and not ray.get(actor.loads_tied_output.remote(tied), timeout=60):
+        tied = None
+    client = RolloutClient([("rollout", actor)], timeout_s=120)
+    source = PolicySource(model, dtype, tied)
+    return TransferSender("gloo", source, client, 0, "127.0.0.1", free_port(), 2, 120)
+
+
+def send(sender: TransferSender, actor, version: int) -> None:
+    """Sends the model's weights through the transfer; the actor then holds `version`."""
+    sender.send(version)
+    assert ray.get(actor.policy_version.remote(), timeout=60) == version
+
+
 def engine_dtype(actor) -> torch.dtype:
     """Returns the dtype of the vLLM engine's parameters in the actor."""
 
@@ -211,10 +230,11 @@ def engine_dtype(actor) -> torch.dtype:
     return ray.get(actor.__ray_call__.remote(first_parameter_dtype), timeout=60)
 
 
-def check_two_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance: float) -> None:
-    """Trains the weights far, syncs, and compares vLLM's logprobs with HF's, twice: the
-    second sync proves that weights which changed again arrive too. The HF reference
-    runs in `dtype`, as vLLM does."""
+def check_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance: float) -> None:
+    """Trains the weights far, syncs, and compares vLLM's logprobs with HF's, three times:
+    through the object store, then twice through vLLM's weight transfer (gloo), which
+    proves that weights which changed again arrive too. The HF reference runs in
+    `dtype`, as vLLM does."""
 
     def reference(episodes: list[Episode], weights: PreTrainedModel) -> list[list[float]]:
         return hf_logprobs(copy.deepcopy(weights).to(dtype), episodes)
@@ -223,10 +243,14 @@ def check_two_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance
     episodes = generate(actor)
     gaps = [max_gap(episodes, reference(episodes, model))]
     assert gaps[0] <= tolerance
-    for version in (1, 2):
+    sender = open_transfer(actor, model, dtype)
+    for version in (1, 2, 3):
         held = copy.deepcopy(model)  # what vLLM holds until this sync
         train_far(model, optimizer, seed=version)
-        sync(actor, model, dtype, version)
+        if version == 1:
+            sync(actor, model, dtype, version)
+        else:
+            send(sender, actor, version)
         previous, episodes = episodes, generate(actor)
         gaps.append(max_gap(episodes, reference(episodes, model)))
         assert gaps[-1] <= tolerance, f"sync {version}: logprob gaps {gaps}"
@@ -234,6 +258,7 @@ def check_two_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance
         # vLLM held before explain the new logprobs no longer (this test could fail).
         assert [e.rollout_logprobs for e in episodes] != [e.rollout_logprobs for e in previous]
         assert max_gap(episodes, reference(episodes, held)) > 0.5
+    sender.close()
 
 
 @pytest.mark.slow
@@ -242,7 +267,7 @@ def test_synced_weights_reproduce_hf_logprobs_in_float32(rollout_host, tmp_path,
     model = build_model(kind, tmp_path / kind)
     with rollout_actor(rollout_host, tmp_path / kind, "float32") as actor:
         assert engine_dtype(actor) == torch.float32
-        check_two_syncs(actor, model, torch.float32, tolerance=1e-4)
+        check_syncs(actor, model, torch.float32, tolerance=1e-4)
 
 
 @pytest.mark.slow
@@ -253,4 +278,4 @@ def test_synced_weights_follow_hf_in_bfloat16(rollout_host, tmp_path):
     model = build_model("qwen2-tied", tmp_path / "qwen2")
     with rollout_actor(rollout_host, tmp_path / "qwen2", "bfloat16") as actor:
         assert engine_dtype(actor) == torch.bfloat16
-        check_two_syncs(actor, model, torch.bfloat16, tolerance=0.05)
+        check_syncs(actor, model, torch.bfloat16, tolerance=0.05)

@@ -18,6 +18,7 @@ from rlray.config import (
     config_to_dict,
     parse_command_line,
     validate,
+    weight_sync,
 )
 
 
@@ -261,6 +262,18 @@ def test_missing_config_file_is_named(tmp_path):
             r"^rollout.tensor_parallel_size 2 needs rollout.gpus_per_worker 2 \(a GPU per "
             r"rank\), got 1.0$",
         ),
+        (
+            ["--rollout.weight_sync", "nccl", "--rollout.gpus_per_worker", "1"],
+            r"^rollout.weight_sync nccl needs GPUs on both ends: learner.gpus 0.0, "
+            r"rollout.gpus_per_worker 1.0$",
+        ),
+        (
+            [
+                *["--rollout.weight_sync", "gloo", "--rollout.tensor_parallel_size", "2"],
+                *["--rollout.gpus_per_worker", "2"],
+            ],
+            r"^rollout.weight_sync gloo with rollout.tensor_parallel_size > 1: ",
+        ),
         (["--learner.lr", ".inf"], r"^learner.lr must be finite, got inf$"),
         (["--rollout.temperature", ".nan"], r"^rollout.temperature must be finite, got nan$"),
         (["--algorithm.clip_high=-.inf"], r"^algorithm.clip_high must be finite, got -inf$"),
@@ -274,6 +287,23 @@ def test_validate_names_the_bad_field(argv, message):
     config = parse_command_line(argv).config
     with pytest.raises(ConfigError, match=message):
         validate(config)
+
+
+@pytest.mark.parametrize(
+    ("argv", "chosen"),
+    [
+        ([], "object_store"),  # CPU learner and workers
+        (["--learner.gpus", "1"], "object_store"),  # CPU workers
+        (["--rollout.gpus_per_worker", "1"], "object_store"),  # CPU learner
+        (["--learner.gpus", "1", "--rollout.gpus_per_worker", "1"], "nccl"),
+        (["--rollout.weight_sync", "gloo"], "gloo"),
+        (["--rollout.weight_sync", "object_store", "--learner.gpus", "1"], "object_store"),
+    ],
+)
+def test_weight_sync_auto_is_nccl_between_gpus_only(argv, chosen):
+    config = parse_command_line(argv).config
+    validate(config)
+    assert weight_sync(config) == chosen
 
 
 def test_lora_fields_parse_from_the_command_line():

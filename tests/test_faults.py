@@ -5,7 +5,10 @@ scored episode once: whole batches, each id once, every step's batch trained on.
 One run takes all the kills in turn (rollout, reward, buffer, store; then the learner,
 after which the job resumes from its checkpoint by itself; then the learner again, which
 ends the job as `ray.max_job_restarts` 1 allows one resume), so Ray and vLLM start once
-for all of them.
+for all of them. It syncs weights through vLLM's weight transfer (gloo): the restarted
+rollout worker loads them from the object store (as does the sync its death cut short,
+if it died in one), and the next sync opens the transfer to its new engine (and the
+resumed job's to its new actors).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def check_whole_batches(grouped: dict[str, list[dict]]) -> dict[int, list[bool]]
 def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_path):
     run_dir = tmp_path / "faults"
     args = [*SHORT_RUN, "--learner.steps", "50", "--ray.max_job_restarts", "1"]
+    args += ["--rollout.weight_sync", "gloo"]
     job = start_job([*args, "--run-dir", str(run_dir)], job_env)
     try:
         for step, actor in enumerate(("rollout-0", "reward-0", "buffer", "store"), start=1):
@@ -97,8 +101,17 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     last = err.strip().splitlines()[-1]
     assert last.startswith("ppo.py: error: learner died"), last
     assert "gave up after 1 restarts: ray.max_job_restarts" in last
-    logged = [r["step"] for r in metrics(run_dir)]
+    records = metrics(run_dir)
+    logged = [r["step"] for r in records]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 5  # each once
+    # Every sync went through the transfer, before and after the rollout worker's
+    # restart (the next sync reopened it), but at most the one its death cut short,
+    # which the object store finished; each left the worker holding its step.
+    paths = [r["weight_sync"] for r in records]
+    assert set(paths) <= {"gloo", "object_store"} and paths.count("object_store") <= 1
+    assert paths[-1] == "gloo"
+    assert all(r["weight_versions_loaded"] == {"rollout-0": r["step"]} for r in records)
+    assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
     by_batch = check_whole_batches(attempts(run_dir))
     trained = [batch for batch, marks in sorted(by_batch.items()) if True in marks]
     # Every logged step's batch was trained (one more if the learner died after an

@@ -42,11 +42,12 @@ TRAINING_VALUES = (
 @pytest.fixture(scope="module")
 def five_step_runs(job_env, tmp_path_factory):
     """A 5-step run, and a 3-step run of the same config and seed with a group of 2
-    learners, run at the same time (their timings differ, their steps must not), that is
-    then resumed to step 5 with 1 learner."""
+    learners sending weights through vLLM's weight transfer (gloo), run at the same time
+    (their timings differ, their steps must not), that is then resumed to step 5 with 1
+    learner and the object store."""
     root = tmp_path_factory.mktemp("runs")
     runs = {"a": ["--learner.steps", "5"], "resumed": ["--learner.steps", "3"]}
-    runs["resumed"] += ["--learner.num_workers", "2"]
+    runs["resumed"] += ["--learner.num_workers", "2", "--rollout.weight_sync", "gloo"]
     results = run_jobs_at_once(
         [[*SHORT_RUN, *args, "--run-dir", str(root / name)] for name, args in runs.items()],
         job_env,
@@ -55,7 +56,8 @@ def five_step_runs(job_env, tmp_path_factory):
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     resume = ["--resume", str(root / "resumed"), "--learner.steps", "5"]
-    done["resume"] = run_job([*resume, "--learner.num_workers", "1"], job_env)
+    resume += ["--learner.num_workers", "1", "--rollout.weight_sync", "object_store"]
+    done["resume"] = run_job(resume, job_env)
     assert done["resume"].returncode == 0, done["resume"].stderr[-3000:]
     return root, done
 
@@ -95,6 +97,7 @@ def test_short_run_advances_policy_and_keeps_logprob_parity(five_step_runs):
     assert all(r["worker_policy_versions"] == {"rollout-0": r["step"] - 1} for r in records)
     # Every sync left the rollout worker holding the learner's new version.
     assert all(r["weight_versions_loaded"] == {"rollout-0": r["step"]} for r in records)
+    assert all(r["weight_sync"] == "object_store" for r in records)  # CPUs: auto
     # After every sync vLLM's sampled-token logprobs equal the learner's.
     assert all(
         r["logprob_parity_error"] is not None and r["logprob_parity_error"] <= 1e-4 for r in records
@@ -214,9 +217,13 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
 def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(five_step_runs):
     root, _ = five_step_runs
     # The first three steps of the run that was later resumed, made by 2 learners
-    # (FSDP2-sharded, each with its share of the tokens), before its resume.
+    # (FSDP2-sharded, each with its share of the tokens), before its resume; their
+    # weights reached vLLM through its weight-transfer engine, gathered one tensor at a
+    # time by both learners and broadcast by rank 0.
     first, second = metrics(root / "a")[:3], metrics(root / "resumed")[:3]
     assert [r["step"] for r in second] == [1, 2, 3]
+    assert [r["weight_sync"] for r in second] == ["gloo"] * 3
+    assert [r["weight_versions_loaded"] for r in second] == [{"rollout-0": s} for s in (1, 2, 3)]
     # Both learners wrote their shard of the optimizer state (torch.distributed.checkpoint
     # names a rank's file __<rank>_0).
     optimizer = root / "resumed" / "checkpoints" / "step-000003" / "optimizer"
