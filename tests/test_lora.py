@@ -151,6 +151,23 @@ def test_published_weights_are_the_merged_model_under_the_base_names(model_path,
     assert adapted == 7 * learner.engine.policy.get_base_model().config.num_hidden_layers
 
 
+def test_the_weight_transfer_streams_the_published_weights_as_it_declares(model_path, device):
+    from rlray.weight_transfer import PolicySource
+
+    learner = make_learner(model_path, device)
+    learner.train_step(episodes_for(learner, REWARDS))
+    published = learner.published_weights()  # the merged model, tied name last
+    for tied in (learner.tied_output, None):  # sent where vLLM's model takes it, or not
+        source = PolicySource(learner.engine.policy, torch.float32, tied)
+        streamed = [(name, tensor.cpu()) for name, tensor in source]
+        # What the engines size their buffers from (declared before anything is sent)
+        # is what arrives, in order.
+        declared = [(m.name, m.dtype, m.shape) for m in source.metadata()]
+        assert declared == [(n, t.dtype, tuple(t.shape)) for n, t in streamed]
+        assert [n for n, _ in streamed] == [n for n in published if tied or n != "lm_head.weight"]
+        assert all(torch.equal(tensor, published[name]) for name, tensor in streamed)
+
+
 def test_checkpoint_resumes_adapters_and_optimizer_and_exports_the_merged_model(
     model_path, device, tmp_path
 ):
