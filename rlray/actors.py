@@ -185,7 +185,7 @@ class LearnerActor(_GroupMember):
         address: str,
         port: int,
         workers: list[tuple[str, Any]],
-        world_size: int,
+        ranks_per_worker: int,
         timeout_s: float,
     ) -> None:
         """Opens vLLM's weight transfer to the named rollout workers (rlray.weight_transfer);
@@ -200,7 +200,8 @@ class LearnerActor(_GroupMember):
             name, first = workers[0]
             if not wait_for(first.loads_tied_output.remote(tied), name, "tied check", timeout_s):
                 tied = None
-        client = RolloutClient(workers, timeout_s)
+        client = RolloutClient(workers, timeout_s, ranks_per_worker)
+        world_size = 1 + len(workers) * ranks_per_worker
         self.learner.open_weight_transfer(
             backend, client, address, port, world_size, tied, timeout_s
         )

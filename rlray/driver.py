@@ -653,11 +653,10 @@ class TrainingDriver:
     def _open_transfer(self) -> None:
         learners = self.actors.learner
         address, port = self._call("learner", learners.handles[0].rendezvous.remote(), "sync")
-        rollout = self.config.rollout
-        world_size = 1 + len(self.actors.rollout) * rollout.tensor_parallel_size
+        ranks = self.config.rollout.tensor_parallel_size  # each worker's engine's ranks
         workers = list(zip(self.actors.rollout_names, self.actors.rollout, strict=True))
         opened = learners.open_weight_transfer.remote(
-            self.transfer, address, port, workers, world_size, self.timeout
+            self.transfer, address, port, workers, ranks, self.timeout
         )
         self._call("learner", opened, "opening the weight transfer")
         self.transfer_open = True

@@ -222,20 +222,31 @@ class RolloutClient:
     worker at once and waits for all of them, at most timeout_s (a worker that does not
     answer is named). `version` is what finish_weight_update tells them they hold."""
 
-    def __init__(self, workers: list[tuple[str, Any]], timeout_s: float):
+    def __init__(self, workers: list[tuple[str, Any]], timeout_s: float, ranks_per_worker: int = 1):
         self.workers = workers
         self.timeout_s = timeout_s
+        self.ranks_per_worker = ranks_per_worker
         self.version = 0
 
     def _all(self, method: str, *args: Any) -> None:
+        self._wait([(name, getattr(actor, method).remote(*args)) for name, actor in self.workers])
+
+    def _wait(self, refs: list[tuple[str, Any]]) -> None:
         from rlray.actors import wait_for
 
-        refs = [(name, getattr(actor, method).remote(*args)) for name, actor in self.workers]
         for name, ref in refs:
-            wait_for(ref, name, method, self.timeout_s)
+            wait_for(ref, name, "weight transfer", self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("open_weight_transfer", init_info)
+        # vLLM numbers an engine's ranks from the offset it is given, as if the engines
+        # were data-parallel replicas of one deployment; rlray's workers are separate
+        # engines, so each gets the offset after the ranks of the workers before it.
+        offset = init_info["rank_offset"]
+        refs = []
+        for index, (name, actor) in enumerate(self.workers):
+            own = {**init_info, "rank_offset": offset + index * self.ranks_per_worker}
+            refs.append((name, actor.open_weight_transfer.remote(own)))
+        self._wait(refs)
 
     def start_weight_update(self) -> None:
         self._all("start_weight_update")

@@ -365,6 +365,7 @@ def overlap_run(job_env, tmp_path_factory):
     args = ["--config", str(config), *SHORT_RUN, "--learner.steps", "6", "--run-dir", str(run_dir)]
     args += ["--learner.eval_every", "2"]
     overlap = ["--rollout.num_workers", "2", "--buffer.max_staleness", "1"]
+    overlap += ["--rollout.weight_sync", "gloo"]  # into both engines, one group
     tracking = ["--tracking.wandb", "true", "--tracking.wandb_mode", "offline"]
     result = run_job([*args, *overlap, *tracking], {**job_env, "WANDB_SILENT": "true"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -379,9 +380,12 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
     # Generation runs ahead only as far as max_staleness allows: nothing is ever made
     # that is then too stale to train on.
     assert all(r["dropped_stale"] == 0 and r["dropped_stale_this_step"] == 0 for r in records)
-    # Both workers generated, and every sync brought both to the learner's version.
+    # Both workers generated, and every sync brought both to the learner's version,
+    # through vLLM's weight transfer (one broadcast into both engines, which may be
+    # generating when it starts: it waits for them).
     seen = {name: version for r in records for name, version in r["worker_policy_versions"].items()}
     assert set(seen) == {"rollout-0", "rollout-1"}
+    assert all(r["weight_sync"] == "gloo" for r in records)
     assert all(
         r["weight_versions_loaded"] == {"rollout-0": r["step"], "rollout-1": r["step"]}
         for r in records
