@@ -728,6 +728,9 @@ class TrainingDriver:
         """Forgets the writes the store confirmed (all of them, waiting, if `block`);
         a dead store is waited for and gets every unconfirmed write again."""
         writes = list(self.store_writes.items())
+        for key, write in writes:
+            if write.ref is None:  # a Ctrl-C cut its submission short; the key dedupes
+                self._submit_store_write(key, write)
         if not block and writes:
             done, _ = ray.wait([w.ref for _, w in writes], num_returns=len(writes), timeout=0)
             writes = [(key, w) for key, w in writes if w.ref in set(done)]

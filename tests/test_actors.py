@@ -143,6 +143,33 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     ray.kill(slow_scorer)
 
 
+def appended(store) -> int:
+    """Returns how many episodes the store actor took, written to files or not yet."""
+    stats = ray.get(store.stats.remote(), timeout=60)
+    return stats.episodes_written + stats.buffered
+
+
+def test_a_store_write_cut_short_by_ctrl_c_is_sent_again_and_stored_once(system, monkeypatch):
+    plan, actors = system
+    version = ray.get(actors.learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=0)
+    scored = generate(actors, plan, first_index=4000)
+
+    def sent_then_interrupted(key, write):
+        # The worst moment for a Ctrl-C: the append went out, its ref never came back.
+        actors.store.append_batches.remote(write.batch_refs, write.trained_at, 60, key)
+        raise KeyboardInterrupt
+
+    before = appended(actors.store)
+    monkeypatch.setattr(driver, "_submit_store_write", sent_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        driver._store([[scored]], trained_at=None)
+    monkeypatch.undo()
+    driver.drain()  # what close_store does after a Ctrl-C
+    assert appended(actors.store) - before == 16
+    assert driver.store_writes == {}
+
+
 def test_dead_rollout_actor_is_named(system):
     plan, actors = system
     driver = TrainingDriver(
