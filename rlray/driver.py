@@ -22,7 +22,7 @@ import ray
 import yaml
 
 from rlray.actors import ActorFailure, Actors, wait_for
-from rlray.buffer import BufferedBatch
+from rlray.buffer import BufferedBatch, TakenBatches
 from rlray.checkpoints import latest_checkpoint
 from rlray.config import (
     Config,
@@ -42,6 +42,7 @@ from rlray.data import (
 )
 from rlray.episode import ModelLimits
 from rlray.evaluation import EvalSample, EvalSummary, fully_scored, summarize
+from rlray.interrupts import interrupts_held
 from rlray.models import model_limits, read_prompts, resolve_model_path
 from rlray.multiturn import load_environment
 from rlray.rewards import ScoreStats, absolute_spec_path, check_rewards
@@ -321,12 +322,13 @@ class TrainingDriver:
         for worker in range(len(self.actors.rollout)):
             if worker in self._busy_workers() or not self._may_generate(worker):
                 continue
-            if not self._buffer_call(
-                lambda: self.actors.buffer.reserve.remote(batch_size), "reserve"
-            ):
-                return  # full: producers wait until the learner takes a step
-            self.reserved_episodes += batch_size
-            self._start_batch(worker)
+            with interrupts_held():
+                if not self._buffer_call(
+                    lambda: self.actors.buffer.reserve.remote(batch_size), "reserve"
+                ):
+                    return  # full: producers wait until the learner takes a step
+                self.reserved_episodes += batch_size
+                self._start_batch(worker)
 
     def _start_batch(self, worker: int) -> None:
         count = self.config.rollout.prompts_per_batch
@@ -392,12 +394,13 @@ class TrainingDriver:
                 f"{', '.join(names)}: no batch progressed within {self.timeout:.0f} s"
             )
         ready_refs = set(ready)
-        for item in list(self.in_flight):
-            if item.generated is None and item.generate_stats in ready_refs:
-                self._generated(item)
-            elif item.scored is None and item.score_stats in ready_refs:
-                self._scored(item)
-        self._buffer_in_order()
+        with interrupts_held():
+            for item in list(self.in_flight):
+                if item.generated is None and item.generate_stats in ready_refs:
+                    self._generated(item)
+                elif item.scored is None and item.score_stats in ready_refs:
+                    self._scored(item)
+            self._buffer_in_order()
 
     def _generated(self, item: InFlight) -> bool:
         """Takes a finished generation's stats; returns False if its worker died and the
@@ -543,29 +546,23 @@ class TrainingDriver:
         per_step = self.config.learner.episodes_per_step
         while True:
             self.fill()
-            taken = self._buffer_call(
-                lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
-            )
-            if taken is not None:
-                break
+            with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
+                taken = self._buffer_call(
+                    lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
+                )
+                if taken is not None:
+                    train = self._start_training(taken)
+                    break
             self._collect()
-        for batch in taken.batches + taken.dropped:
-            self.buffered.pop(batch.batch_id, None)
-        self.buffered_episodes -= sum(
-            b.num_episodes for b in taken.batches + taken.dropped if not b.external
-        )
-        self.training = taken.batches
-        train = self.actors.learner.train_on.remote([b.ref for b in taken.batches], self.timeout)
-        self._store([b.ref for b in taken.dropped], trained_at=None)
-        self.learner_version += 1
         if self.actors.ingest is not None:
             self.actors.ingest.set_step.remote(self.learner_version)
         self.fill()  # with max_staleness >= 1 generation overlaps training
         with self.clock.phase("training"):
             metrics = self._call("learner", train, "train step")
         # Only now are they trained on: a learner that died mid-step leaves them untrained.
-        self._store([b.ref for b in self.training], trained_at=time.time())
-        self.training = []
+        with interrupts_held():
+            self._store([b.ref for b in self.training], trained_at=time.time())
+            self.training = []
         buffer_stats = self._buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
         tally, self.tally = self.tally, RolloutTally()
         return {
@@ -586,6 +583,20 @@ class TrainingDriver:
             "tool_call_success_rate": tally.tool_call_success_rate(),
             "actor_restarts": dict(self.restarts),
         }
+
+    def _start_training(self, taken: TakenBatches) -> Any:
+        """Moves the batches taken from the buffer to `training`, stores the stale ones
+        and starts the learner step; returns the step's ObjectRef."""
+        for batch in taken.batches + taken.dropped:
+            self.buffered.pop(batch.batch_id, None)
+        self.buffered_episodes -= sum(
+            b.num_episodes for b in taken.batches + taken.dropped if not b.external
+        )
+        self.training = taken.batches
+        train = self.actors.learner.train_on.remote([b.ref for b in taken.batches], self.timeout)
+        self._store([b.ref for b in taken.dropped], trained_at=None)
+        self.learner_version += 1
+        return train
 
     def sync_weights(self) -> dict[str, Any]:
         """Publishes the learner's weights once and loads them on every rollout worker.
@@ -712,7 +723,7 @@ class TrainingDriver:
     def _store(self, batch_refs: list[list[Any]], trained_at: float | None) -> None:
         """Sends batches to the episode store (it fetches them itself); its answers are
         checked later, without holding up the learner."""
-        with self.clock.phase("store"):
+        with self.clock.phase("store"), interrupts_held():
             if batch_refs:
                 key = uuid.uuid4().hex
                 self.store_writes[key] = StoreWrite(batch_refs, trained_at)
@@ -728,9 +739,6 @@ class TrainingDriver:
         """Forgets the writes the store confirmed (all of them, waiting, if `block`);
         a dead store is waited for and gets every unconfirmed write again."""
         writes = list(self.store_writes.items())
-        for key, write in writes:
-            if write.ref is None:  # a Ctrl-C cut its submission short; the key dedupes
-                self._submit_store_write(key, write)
         if not block and writes:
             done, _ = ray.wait([w.ref for _, w in writes], num_returns=len(writes), timeout=0)
             writes = [(key, w) for key, w in writes if w.ref in set(done)]

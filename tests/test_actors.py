@@ -4,6 +4,8 @@ parity, stale batches never reach the learner, and a dead actor is reported by n
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 
 import pytest
 import ray
@@ -90,6 +92,64 @@ def test_rollout_actors_start_with_the_vllm_and_allocator_settings(system):
     assert {key: started_with.get(key) for key in expected} == expected
 
 
+def appended(store) -> int:
+    """Returns how many episodes the store actor took, written to files or not yet."""
+    stats = ray.get(store.stats.remote(), timeout=60)
+    return stats.episodes_written + stats.buffered
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_between_the_buffer_take_and_its_record_loses_no_batch(system, monkeypatch):
+    # Before the stale-batch test, which leaves a dropped batch for the next take.
+    plan, actors = system
+    version = ray.get(actors.learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=6000)
+    driver.sync_weights()  # the workers hold the learner's version: no batch is stale
+    before = appended(actors.store)
+    buffer_call = driver._buffer_call
+
+    def take_then_ctrl_c(call, what):
+        # The worst moment: the buffer handed the batches over, the driver has not
+        # recorded them yet.
+        result = buffer_call(call, what)
+        if what == "take" and result is not None:
+            ctrl_c()
+        return result
+
+    monkeypatch.setattr(driver, "_buffer_call", take_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        driver.train_step()
+    monkeypatch.undo()
+    assert driver.training, "the Ctrl-C acted before the taken batches were recorded"
+    started = driver.tally.prompts_generated * plan.config.rollout.samples_per_prompt
+    driver.drain()  # what the job does after a Ctrl-C
+    assert appended(actors.store) - before == started
+
+
+def test_a_ctrl_c_as_a_store_write_goes_out_neither_loses_nor_doubles_it(system, monkeypatch):
+    plan, actors = system
+    version = ray.get(actors.learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=0)
+    scored = generate(actors, plan, first_index=4000)
+    before = appended(actors.store)
+    submit = driver._submit_store_write
+
+    def ctrl_c_then_submit(key, write):
+        ctrl_c()
+        submit(key, write)
+
+    monkeypatch.setattr(driver, "_submit_store_write", ctrl_c_then_submit)
+    with pytest.raises(KeyboardInterrupt):
+        driver._store([[scored]], trained_at=None)
+    monkeypatch.undo()
+    driver.drain()
+    assert appended(actors.store) - before == 16
+    assert driver.store_writes == {}
+
+
 def test_stale_batches_are_dropped_before_the_learner_sees_them(system):
     plan, actors = system
     version = ray.get(actors.learner.state.remote())["version"]
@@ -141,33 +201,6 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     assert ray.get(second.generate_stats).policy_version == first.generated.policy_version
     driver.drain()
     ray.kill(slow_scorer)
-
-
-def appended(store) -> int:
-    """Returns how many episodes the store actor took, written to files or not yet."""
-    stats = ray.get(store.stats.remote(), timeout=60)
-    return stats.episodes_written + stats.buffered
-
-
-def test_a_store_write_cut_short_by_ctrl_c_is_sent_again_and_stored_once(system, monkeypatch):
-    plan, actors = system
-    version = ray.get(actors.learner.state.remote())["version"]
-    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=0)
-    scored = generate(actors, plan, first_index=4000)
-
-    def sent_then_interrupted(key, write):
-        # The worst moment for a Ctrl-C: the append went out, its ref never came back.
-        actors.store.append_batches.remote(write.batch_refs, write.trained_at, 60, key)
-        raise KeyboardInterrupt
-
-    before = appended(actors.store)
-    monkeypatch.setattr(driver, "_submit_store_write", sent_then_interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        driver._store([[scored]], trained_at=None)
-    monkeypatch.undo()
-    driver.drain()  # what close_store does after a Ctrl-C
-    assert appended(actors.store) - before == 16
-    assert driver.store_writes == {}
 
 
 def test_dead_rollout_actor_is_named(system):
