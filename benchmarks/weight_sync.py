@@ -74,6 +74,9 @@ def sync_seconds(
     config.rollout.weight_sync = path
     config.model.path = model_path
     config.run_dir = str(run_dir)
+    # With staleness >= 1 (the default) each sync starts a parity probe on rollout-0,
+    # whose generation the next sync's load waits behind: not the sync's own time.
+    config.buffer.max_staleness = 0
     plan = RunPlan(
         config,
         run_dir,
