@@ -626,12 +626,25 @@ class TrainingDriver:
         }
 
     def _publish_and_load(self) -> dict[str, tuple[int, float | None]]:
-        """The object-store sync: the learner publishes one object, every worker loads it."""
+        """The object-store sync: the learner publishes one object, and every worker loads
+        it, all at once. A worker that died is waited for and loads it when restarted
+        (its load seconds are then None)."""
         self.published = self.actors.learner.publish_weights.remote()
-        return {
-            name: self._load_weights(worker)
-            for worker, name in enumerate(self.actors.rollout_names)
-        }
+        names = self.actors.rollout_names
+        loads = [worker.load_published.remote(self.published) for worker in self.actors.rollout]
+        loaded: dict[str, tuple[int, float | None]] = {}
+        for worker, (name, load) in enumerate(zip(names, loads, strict=True)):
+            try:
+                version, seconds = wait_for(load, name, "weight load", self.timeout)
+            except ActorFailure as err:
+                if not err.died or err.lost:
+                    raise
+                self._recover(name, err)  # loads the published weights on the new worker
+                loaded[name] = (self.worker_versions[worker], None)
+                continue
+            self.worker_versions[worker] = version
+            loaded[name] = (version, seconds)
+        return loaded
 
     def _send_weights(self) -> tuple[str, dict[str, tuple[int, float | None]]]:
         """vLLM's weight transfer: the learners send (rank 0 broadcasting into every

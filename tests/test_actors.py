@@ -203,6 +203,20 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     ray.kill(slow_scorer)
 
 
+def test_a_rollout_worker_that_dies_before_a_sync_loads_the_weights_when_restarted(system):
+    plan, actors = system
+    version = ray.get(actors.learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=0)
+    ray.kill(actors.rollout[0], no_restart=False)  # Ray restarts it with the base model
+    synced = driver.sync_weights()
+    assert synced["weight_sync"] == "object_store"
+    assert synced["weight_versions_loaded"] == {"rollout-0": version}
+    assert driver.restarts == {"rollout-0": 1}
+    assert {e.policy_version for e in ray.get(generate(actors, plan, first_index=7000))} == {
+        version
+    }
+
+
 def test_dead_rollout_actor_is_named(system):
     plan, actors = system
     driver = TrainingDriver(
