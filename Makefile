@@ -24,8 +24,11 @@ run: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Style, then the layer contract: import-linter's (pyproject.toml) and tests/check_layers.py.
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(PY) tests/check_layers.py
 
 bench: setup
 	$(PY) benchmarks/rollout_throughput.py

@@ -28,11 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rlray import rl_math as rm  # noqa: E402
-from rlray.engine import Engine, Outputs, TokenBatch, collate  # noqa: E402
-from rlray.episode import Episode, from_table  # noqa: E402
-from rlray.episodes import read  # noqa: E402
-from rlray.models import resolve_model_path  # noqa: E402
+from rlray.algorithms import rl_math as rm  # noqa: E402
+from rlray.core.episode import Episode, from_table  # noqa: E402
+from rlray.data.models import resolve_model_path  # noqa: E402
+from rlray.episodes.reader import read  # noqa: E402
+from rlray.learner.engine import Engine, Outputs, TokenBatch, collate  # noqa: E402
 
 
 def collect(out: Path, prompts: int) -> Path:

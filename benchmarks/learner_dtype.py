@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray import rl_math as rm
-from rlray.engine import Engine, TokenBatch, collate
+from rlray.algorithms import rl_math as rm
+from rlray.learner.engine import Engine, TokenBatch, collate
 
 # name: (hidden, layers, heads, vocab, completion tokens)
 SIZES = {"tiny": (128, 2, 2, 20, 8), "100m": (768, 12, 12, 32000, 256)}

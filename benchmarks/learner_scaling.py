@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from learner_dtype import SIZES, build, random_batch, train_speed
 
-from rlray import distributed as dd
-from rlray.engine import Engine
+from rlray.learner import distributed as dd
+from rlray.learner.engine import Engine
 
 
 def local_bytes(tensors) -> int:

@@ -96,9 +96,9 @@ def accuracy_on_own_mistakes(model_path: str, count: int) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlray.config import Config, DataConfig
-    from rlray.data import eval_rows
-    from rlray.models import resolve_model_path
-    from rlray.rewards.model_rewards import ClassifierReward
+    from rlray.data.models import resolve_model_path
+    from rlray.data.prompts import eval_rows
+    from rlray.rewards.model_based import ClassifierReward
 
     torch.manual_seed(0)
     policy_path = resolve_model_path(Config().model.path)

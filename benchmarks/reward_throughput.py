@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray
 
 from rlray.config import RewardSpec
-from rlray.episode import Episode
-from rlray.rewards import RewardWorker
+from rlray.core.episode import Episode
+from rlray.rewards.worker import RewardWorker
 
 REPO = Path(__file__).resolve().parent.parent
 SOLUTIONS = [

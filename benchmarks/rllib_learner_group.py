@@ -58,7 +58,7 @@ def rllib_python(venv: Path | None) -> Path:
     torch_version = importlib.metadata.version("torch").split("+")[0]
     if venv is None:
         sys.path.insert(0, str(REPO))
-        from rlray.models import cache_dir
+        from rlray.data.cache import cache_dir
 
         venv = cache_dir() / "venvs" / f"rllib-{RLLIB_VERSION}-torch-{torch_version}"
     python = venv / "bin" / "python"

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.config import Config
-from rlray.rollout import vllm_env
+from rlray.rollout.worker import vllm_env
 
 
 def main() -> None:
@@ -41,10 +41,11 @@ def main() -> None:
     import ray
     from vllm import SamplingParams
 
-    from rlray.actors import RolloutActor
-    from rlray.data import train_prompts
-    from rlray.models import resolve_model_path
-    from rlray.rollout import RolloutWorker, sampling_seed
+    from rlray.cluster.roles import RolloutActor
+    from rlray.data.models import resolve_model_path
+    from rlray.data.prompts import train_prompts
+    from rlray.rollout.sampling import sampling_seed
+    from rlray.rollout.worker import RolloutWorker
 
     model_path = resolve_model_path(config.model.path)
     rows = [train_prompts(config.data, 0).row(i) for i in range(args.prompts)]

@@ -46,9 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlray.config import Config  # noqa: E402
-from rlray.data import eval_rows, train_prompts  # noqa: E402
-from rlray.memory import GIB, total_pss_bytes  # noqa: E402
-from rlray.models import cache_dir, random_char_model, resolve_model_path  # noqa: E402
+from rlray.data.cache import cache_dir  # noqa: E402
+from rlray.data.models import resolve_model_path  # noqa: E402
+from rlray.data.prompts import eval_rows, train_prompts  # noqa: E402
+from rlray.data.tiny_models import random_char_model  # noqa: E402
+from rlray.observe.memory import GIB, total_pss_bytes  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 WALL_TIMES = (25, 50, 100, 150, 200)

@@ -28,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray
 import torch
 
-from rlray.actors import start_actors
+from rlray.cluster.start import start_actors
 from rlray.config import Config
-from rlray.data import eval_rows, train_prompts
-from rlray.driver import RunPlan, TrainingDriver
-from rlray.models import random_char_model, resolve_model_path
+from rlray.data.models import resolve_model_path
+from rlray.data.prompts import eval_rows, train_prompts
+from rlray.data.tiny_models import random_char_model
+from rlray.driver.plan import RunPlan
+from rlray.driver.training import TrainingDriver
 
 
 def build_large_model(out: Path) -> Path:

@@ -6,7 +6,8 @@ prompt set, every scored episode written to the episode store.
     python jobs/collect.py --prompts 1000 --store.path s3://bucket/datasets/run1
 
 Takes the same config fields as jobs/ppo.py (the ppo, learner and buffer ones are
-ignored). For datasets, baselines and evaluation.
+ignored), and recovers from a dead rollout, reward or store actor as jobs/ppo.py does.
+For datasets, baselines and evaluation.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ray
-
-from rlray.actors import ActorFailure, Actors, connect, start_actors, wait_for
+from rlray.cluster.calls import ActorFailure
+from rlray.cluster.start import connect, start_actors
 from rlray.config import ConfigError, parse_command_line, validate
-from rlray.data import FilePrompts
-from rlray.driver import RunPlan, plan_run, write_config
+from rlray.data.prompts import FilePrompts
+from rlray.driver.collecting import CollectDriver
+from rlray.driver.plan import RunPlan, plan_run, write_config
 
 
 def main(argv: list[str]) -> int:
@@ -52,32 +53,25 @@ def main(argv: list[str]) -> int:
         return 1
 
     # 3. Generate, score and store every prompt's samples.
+    driver = CollectDriver(plan, actors)
     try:
-        summary = collect(plan, actors, prompt_count)
+        summary = driver.collect(prompt_count)
     except ActorFailure as err:
         print(f"collect.py: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("collect.py: interrupted; every episode so far is kept", file=sys.stderr)
+        return 130
     finally:
-        stats, spooled = wait_for(
-            actors.store.close.remote(),
-            "store",
-            "close",
-            config.ray.call_timeout_s + config.store.upload_timeout_s,
-        )
+        stored = driver.close_store()  # every scored episode written (or spooled)
         actors.kill()
-    if spooled:
-        spool = Path(spooled[0]).parent
-        print(
-            f"warning: {len(spooled)} episode file(s) not uploaded; they wait in {spool}",
-            file=sys.stderr,
-        )
-    summary["episodes_stored"] = stats.episodes_written
-    (plan.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary.episodes_stored = stored.episodes_written if stored else None
+    (plan.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     print(
-        f"done: {summary['episodes']} episodes of {prompt_count} prompts, reward mean "
-        f"{summary['reward_mean']:.3f}, {summary['episodes_per_second']:.1f} episodes/s"
+        f"done: {summary.episodes} episodes of {prompt_count} prompts, reward mean "
+        f"{summary.reward_mean:.3f}, {summary.episodes_per_second:.1f} episodes/s"
     )
-    print(f"episodes: {summary['store']}")
+    print(f"episodes: {summary.store}")
     return 0
 
 
@@ -98,51 +92,6 @@ def one_pass(plan: RunPlan) -> int:
     if isinstance(plan.prompts, FilePrompts):
         return len(plan.prompts.rows)
     raise ConfigError("--prompts: the built-in task has no end; say how many prompts to collect")
-
-
-def collect(plan: RunPlan, actors: Actors, prompt_count: int) -> dict:
-    """Keeps every rollout worker busy until `prompt_count` prompts are done; each scored
-    batch goes from the reward actor to the store without passing through here."""
-    config, timeout = plan.config, plan.config.ray.call_timeout_s
-    per_batch, started = config.rollout.prompts_per_batch, time.perf_counter()
-    cursor, in_flight, episodes, reward_sum = 0, {}, 0, 0.0
-    while cursor < prompt_count or in_flight:
-        idle = [w for w in range(len(actors.rollout)) if w not in in_flight.values()]
-        for worker in idle:
-            if cursor >= prompt_count:
-                break
-            rows = [
-                plan.prompts.row(i) for i in range(cursor, min(cursor + per_batch, prompt_count))
-            ]
-            generated, _ = (
-                actors.rollout[worker].generate.options(num_returns=2).remote(rows, cursor)
-            )
-            reward = actors.reward[worker % len(actors.reward)]
-            scored, stats = reward.score.options(num_returns=2).remote(generated)
-            in_flight[stats] = worker
-            actors.store.append_batches.remote([[scored]], None, timeout)
-            cursor += len(rows)
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=timeout)
-        if not ready:
-            raise ActorFailure(f"no rollout batch finished within {timeout:.0f} s")
-        worker = in_flight.pop(ready[0])
-        score = wait_for(
-            ready[0], actors.reward_names[worker % len(actors.reward)], "score", timeout
-        )
-        episodes += score.episodes
-        reward_sum += score.reward_sum
-        print(f"collected {episodes} episodes", flush=True)
-    wall = time.perf_counter() - started
-    store = config.store.path or str(plan.run_dir / "episodes")
-    return {
-        "prompts": prompt_count,
-        "episodes": episodes,
-        "reward_mean": reward_sum / max(episodes, 1),
-        "wall_seconds": wall,
-        "episodes_per_second": episodes / wall,
-        "store": store,
-        "run_dir": str(plan.run_dir),
-    }
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.episode import from_table
-from rlray.episodes import format_trace, read, summarize
+from rlray.core.episode import from_table
+from rlray.episodes.reader import format_trace, read, summarize
 
 
 def main(argv: list[str]) -> int:

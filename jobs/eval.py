@@ -27,22 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.checkpoints import latest_checkpoint
 from rlray.config import Config, ConfigError, eval_rewards, parse_command_line, validate
-from rlray.data import PromptRow, check_prompts_fit, eval_rows
-from rlray.driver import check_eval_rows
-from rlray.evaluation import (
-    EvalSample,
-    EvalSummary,
-    compare,
-    comparison_markdown,
-    fully_scored,
-    summarize,
-    write_comparison,
-)
-from rlray.models import read_prompts, resolve_model_path
-from rlray.rewards import RewardWorker
-from rlray.rollout import RolloutWorker
+from rlray.core.checkpoints import latest_checkpoint
+from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
+from rlray.core.prompt import PromptRow
+from rlray.data.models import read_prompts, resolve_model_path
+from rlray.data.prompts import check_prompts_fit, eval_rows
+from rlray.driver.plan import check_eval_rows
+from rlray.observe.comparison import compare, comparison_markdown, write_comparison
+from rlray.rewards.worker import RewardWorker
+from rlray.rollout.worker import RolloutWorker
 
 USAGE = (
     "usage: eval.py MODEL [MODEL ...] [--out DIR] [--config FILE.yaml] [--SECTION.FIELD VALUE ...]"

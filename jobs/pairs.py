@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.episode import from_table
-from rlray.episodes import read
-from rlray.preferences import pairs_from_episodes
+from rlray.core.episode import from_table
+from rlray.data.preferences import pairs_from_episodes
+from rlray.episodes.reader import read
 
 
 def main(argv: list[str]) -> int:

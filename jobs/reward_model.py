@@ -1,5 +1,5 @@
 """Reward-model training: a one-output sequence-classification head on a causal LM's
-trunk, fit to preference pairs with the Bradley-Terry loss (rlray/reward_model.py).
+trunk, fit to preference pairs with the Bradley-Terry loss (rlray/learner/reward_model.py).
 
     python jobs/reward_model.py                                # built-in arithmetic pairs
     python jobs/reward_model.py --data.train pairs.jsonl --run-dir runs/rm1
@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.config import ConfigError, parse_command_line, validate
-from rlray.models import resolve_model_path
-from rlray.preferences import preference_batches
+from rlray.data.models import resolve_model_path
+from rlray.data.preferences import preference_batches
 
 
 def main(argv: list[str]) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     print(f"run directory: {run_dir}", flush=True)
 
     # 2. Model: the trunk with a fresh one-output score head.
-    from rlray.reward_model import RewardModelTrainer
+    from rlray.learner.reward_model import RewardModelTrainer
 
     preference, learner = config.preference, config.learner
     steps = preference.reward_model_steps

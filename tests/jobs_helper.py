@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,16 @@ def run_jobs_at_once(
             err.seek(0)
             done.append(subprocess.CompletedProcess(args, job.returncode, out.read(), err.read()))
         return done
+
+
+def pid_of(run_dir: Path, actor: str) -> int:
+    """Returns the process id of one of the run's actors (placement.json names it)."""
+    return json.loads((run_dir / "placement.json").read_text())[actor]["pid"]
+
+
+def kill(run_dir: Path, actor: str) -> None:
+    """SIGKILLs the process of one of the run's actors."""
+    os.kill(pid_of(run_dir, actor), signal.SIGKILL)
 
 
 def metrics(run_dir: Path) -> list[dict]:

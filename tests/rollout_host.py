@@ -16,9 +16,9 @@ from typing import Any
 
 import ray
 
-from rlray.actors import RolloutActor
+from rlray.cluster.roles import RolloutActor
 from rlray.config import ModelConfig, RolloutConfig
-from rlray.rollout import vllm_env
+from rlray.rollout.worker import vllm_env
 
 # Every test's rollout uses this config, so one vllm_env serves them all. Its engines take
 # weights both ways: published objects and vLLM's weight transfer (over gloo here).
@@ -53,7 +53,7 @@ class RolloutHost:
         # Ray resolved the object reference for this call, as it does for an actor's.
         return self.rollout.load_published(published)
 
-    # The weight-transfer calls a learner's RolloutClient makes (rlray.weight_transfer).
+    # The weight-transfer calls a learner's RolloutClient makes (rlray.weights.transfer).
 
     def open_weight_transfer(self, init_info: dict) -> None:
         self.rollout.open_weight_transfer(init_info)

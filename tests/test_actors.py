@@ -10,12 +10,14 @@ import signal
 import pytest
 import ray
 
-from rlray.actors import ActorFailure, start_actors, wait_for
-from rlray.buffer import BufferedBatch
+from rlray.cluster.calls import ActorFailure, wait_for
+from rlray.cluster.start import start_actors
 from rlray.config import Config, RewardSpec, parse_command_line, validate
-from rlray.driver import TrainingDriver, plan_run
-from rlray.rewards import RewardWorker
-from rlray.rollout import vllm_env
+from rlray.driver.plan import plan_run
+from rlray.driver.training import TrainingDriver
+from rlray.episodes.buffer import BufferedBatch
+from rlray.rewards.worker import RewardWorker
+from rlray.rollout.worker import vllm_env
 from tests.jobs_helper import SHORT_RUN
 from tests.test_learner import plain_logprob_gap
 
@@ -109,7 +111,7 @@ def test_a_ctrl_c_between_the_buffer_take_and_its_record_loses_no_batch(system, 
     driver = TrainingDriver(plan, actors, version=version, prompt_cursor=6000)
     driver.sync_weights()  # the workers hold the learner's version: no batch is stale
     before = appended(actors.store)
-    buffer_call = driver._buffer_call
+    buffer_call = driver.buffer_call
 
     def take_then_ctrl_c(call, what):
         # The worst moment: the buffer handed the batches over, the driver has not
@@ -119,12 +121,12 @@ def test_a_ctrl_c_between_the_buffer_take_and_its_record_loses_no_batch(system, 
             ctrl_c()
         return result
 
-    monkeypatch.setattr(driver, "_buffer_call", take_then_ctrl_c)
+    monkeypatch.setattr(driver, "buffer_call", take_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         driver.train_step()
     monkeypatch.undo()
     assert driver.training, "the Ctrl-C acted before the taken batches were recorded"
-    started = driver.tally.prompts_generated * plan.config.rollout.samples_per_prompt
+    started = driver.rollouts.tally.prompts_generated * plan.config.rollout.samples_per_prompt
     driver.drain()  # what the job does after a Ctrl-C
     assert appended(actors.store) - before == started
 
@@ -135,19 +137,19 @@ def test_a_ctrl_c_as_a_store_write_goes_out_neither_loses_nor_doubles_it(system,
     driver = TrainingDriver(plan, actors, version=version, prompt_cursor=0)
     scored = generate(actors, plan, first_index=4000)
     before = appended(actors.store)
-    submit = driver._submit_store_write
+    submit = driver.store.submit
 
     def ctrl_c_then_submit(key, write):
         ctrl_c()
         submit(key, write)
 
-    monkeypatch.setattr(driver, "_submit_store_write", ctrl_c_then_submit)
+    monkeypatch.setattr(driver.store, "submit", ctrl_c_then_submit)
     with pytest.raises(KeyboardInterrupt):
-        driver._store([[scored]], trained_at=None)
+        driver.store.write([[scored]], trained_at=None)
     monkeypatch.undo()
     driver.drain()
     assert appended(actors.store) - before == 16
-    assert driver.store_writes == {}
+    assert driver.store.pending == {}
 
 
 def test_stale_batches_are_dropped_before_the_learner_sees_them(system):
@@ -190,12 +192,12 @@ def test_rollout_worker_generates_while_a_slow_reward_scores(system, tmp_path):
     slow_actors = dataclasses.replace(actors, reward=[slow_scorer], reward_names=["reward-slow"])
     driver = TrainingDriver(plan, slow_actors, version=version, prompt_cursor=5000)
     driver.fill()
-    first = driver.in_flight[0]
+    first = driver.rollouts.in_flight[0]
     while first.generated is None:
-        driver._collect()  # returns once generation is done; scoring goes on
+        driver.rollouts.wait()  # returns once generation is done; scoring goes on
     driver.fill()
-    assert [item.worker_index for item in driver.in_flight] == [0, 0]
-    second = driver.in_flight[1]
+    assert [item.worker_index for item in driver.rollouts.in_flight] == [0, 0]
+    second = driver.rollouts.in_flight[1]
     # rollout-0 started the next batch while reward-slow still scores the first.
     assert ray.wait([first.score_stats], timeout=0)[0] == []
     assert ray.get(second.generate_stats).policy_version == first.generated.policy_version
@@ -211,7 +213,7 @@ def test_a_rollout_worker_that_dies_before_a_sync_loads_the_weights_when_restart
     synced = driver.sync_weights()
     assert synced["weight_sync"] == "object_store"
     assert synced["weight_versions_loaded"] == {"rollout-0": version}
-    assert driver.restarts == {"rollout-0": 1}
+    assert driver.recovery.restarts == {"rollout-0": 1}
     assert {e.policy_version for e in ray.get(generate(actors, plan, first_index=7000))} == {
         version
     }
@@ -222,7 +224,7 @@ def test_dead_rollout_actor_is_named(system):
     driver = TrainingDriver(
         plan, actors, version=ray.get(actors.learner.state.remote())["version"], prompt_cursor=0
     )
-    driver.worker_versions = [driver.learner_version]
+    driver.weights.worker_versions = [driver.learner_version]
     ray.kill(actors.rollout[0], no_restart=True)
     with pytest.raises(ActorFailure, match="rollout-0") as failure:
         driver.train_step()

@@ -7,26 +7,37 @@ import typing
 import pytest
 import torch
 
-from rlray import rl_math as rm
-from rlray.algorithm import DEFAULT_CLIPS, GROUP_ADVANTAGES, Algorithm, MicroBatch, StepInputs
-from rlray.config import (
-    Advantage,
-    AlgorithmConfig,
-    KLEstimator,
-    LossAggregation,
-    PolicyLoss,
-    RolloutCorrection,
-)
+from rlray.algorithms import rl_math as rm
+from rlray.algorithms.algorithm import Algorithm, MicroBatch, StepInputs
+from rlray.algorithms.estimators import ESTIMATORS
+from rlray.algorithms.losses import POLICY_LOSSES
+from rlray.config import AlgorithmConfig, ConfigError, build_parser, parse_command_line
+from rlray.config.schema import KLEstimator, LossAggregation, RolloutCorrection
+
+
+def test_every_registered_choice_is_offered_and_explained_by_the_command_line():
+    parser = build_parser()
+    for field, registry in (("advantage", ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+        (action,) = [a for a in parser._actions if f"--algorithm.{field}" in a.option_strings]
+        assert all(
+            f"{name} = {entry.summary.rstrip('.')}" in action.help
+            for name, entry in registry.items()
+        )
+        with pytest.raises(ConfigError) as refused:
+            parse_command_line([f"--algorithm.{field}", "nope"])
+        assert str(refused.value).startswith(
+            f"algorithm.{field} must be one of {', '.join(registry)};"
+        )
+    assert {n for n, e in ESTIMATORS.items() if e.needs_critic} == {"gae"}
+    assert {n for n, e in ESTIMATORS.items() if e.compares_groups} == {
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce_pp_baseline",
+    }
 
 
 def test_every_config_choice_has_exactly_one_implementation():
-    assert set(typing.get_args(Advantage)) == {
-        *GROUP_ADVANTAGES,
-        "gae",
-        "reinforce_pp",
-        "reinforce_pp_baseline",
-    }
-    assert set(typing.get_args(PolicyLoss)) == set(rm.POLICY_LOSSES) == set(DEFAULT_CLIPS)
     assert set(typing.get_args(LossAggregation)) == set(rm.LOSS_AGGREGATIONS)
     assert set(typing.get_args(KLEstimator)) == set(rm.KL_ESTIMATORS)
     assert set(typing.get_args(RolloutCorrection)) == set(rm.ROLLOUT_CORRECTIONS)
@@ -44,7 +55,7 @@ def test_every_config_choice_has_exactly_one_implementation():
 )
 def test_clips_default_to_each_policy_loss_own(loss, low, high, expected):
     config = AlgorithmConfig(policy_loss=loss, clip_low=low, clip_high=high)
-    algorithm = Algorithm.from_config(config, max_new_tokens=6)
+    algorithm = Algorithm(config, max_length=6)
     assert (algorithm.clip_low, algorithm.clip_high) == expected
     assert algorithm.max_length == 6
 
@@ -62,7 +73,7 @@ def step_inputs(**changes) -> StepInputs:
 
 
 def test_group_advantages_are_broadcast_over_real_tokens_only():
-    adv = Algorithm(advantage="dr_grpo").advantages(step_inputs()).advantages
+    adv = Algorithm(AlgorithmConfig(advantage="dr_grpo")).advantages(step_inputs()).advantages
     # group 0 is uniform (both 1): 0; group 1: 0 - 1/2 and 1 - 1/2
     torch.testing.assert_close(
         adv, torch.tensor([[0.0, 0.0], [0.0, 0.0], [-0.5, -0.5], [0.5, 0.0]])
@@ -74,16 +85,20 @@ def test_kl_in_the_reward_reaches_group_estimators():
     # off its score: group 0's scores become 0.9 and 1.0 -> dr_grpo -0.05 and +0.05.
     ref = torch.zeros(4, 2)
     ref[0] = -0.1
-    algorithm = Algorithm(advantage="dr_grpo", kl_coef=0.5, kl_estimator="k1")
+    algorithm = Algorithm(AlgorithmConfig(advantage="dr_grpo", kl_coef=0.5, kl_estimator="k1"))
     result = algorithm.advantages(step_inputs(ref_logp=ref))
     torch.testing.assert_close(result.advantages[:2], torch.tensor([[-0.05, -0.05], [0.05, 0.0]]))
     # In loss mode the reward is untouched: the uniform group stays at 0.
-    loss_mode = Algorithm(advantage="dr_grpo", kl_coef=0.5, kl_estimator="k3", kl_mode="loss")
+    loss_mode = Algorithm(
+        AlgorithmConfig(advantage="dr_grpo", kl_coef=0.5, kl_estimator="k3", kl_mode="loss")
+    )
     assert loss_mode.advantages(step_inputs(ref_logp=ref)).advantages[:2].abs().max() == 0
 
 
 def test_gae_needs_values_and_gives_returns():
-    algorithm = Algorithm(advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False)
+    algorithm = Algorithm(
+        AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False)
+    )
     result = algorithm.advantages(step_inputs(values=torch.full((4, 2), 0.25)))
     # lambda 1, gamma 1: A_t = R - V_t, returns = R on every real token
     torch.testing.assert_close(result.returns[0], torch.tensor([1.0, 1.0]))
@@ -95,8 +110,8 @@ def test_gae_needs_values_and_gives_returns():
 def test_truncated_completions_leave_the_loss_only_when_asked():
     mask = torch.ones(3, 2)
     truncated = torch.tensor([False, True, False])
-    assert Algorithm().loss_mask(mask, truncated).sum() == 6
-    masked = Algorithm(mask_truncated=True).loss_mask(mask, truncated)
+    assert Algorithm(AlgorithmConfig()).loss_mask(mask, truncated).sum() == 6
+    masked = Algorithm(AlgorithmConfig(mask_truncated=True)).loss_mask(mask, truncated)
     assert masked.tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
 
 
@@ -114,12 +129,12 @@ def micro_batch(entropy: torch.Tensor, **changes) -> MicroBatch:
 
 def test_entropy_enters_the_loss_only_with_a_coefficient():
     entropy = torch.full((2, 2), 0.7, requires_grad=True)
-    loss, metrics = Algorithm().loss(micro_batch(entropy), 4.0, 2.0)
+    loss, metrics = Algorithm(AlgorithmConfig()).loss(micro_batch(entropy), 4.0, 2.0)
     assert metrics["entropy"] == pytest.approx(0.7)
     assert (
         not loss.requires_grad or torch.autograd.grad(loss, entropy, allow_unused=True)[0] is None
     )
-    loss, _ = Algorithm(entropy_coef=0.1).loss(micro_batch(entropy), 4.0, 2.0)
+    loss, _ = Algorithm(AlgorithmConfig(entropy_coef=0.1)).loss(micro_batch(entropy), 4.0, 2.0)
     (grad,) = torch.autograd.grad(loss, entropy)
     torch.testing.assert_close(grad, torch.full((2, 2), -0.1 / 4))
 
@@ -131,5 +146,5 @@ def test_rollout_correction_weights_scale_the_policy_loss():
     weighted = micro_batch(
         entropy, advantages=torch.ones(2, 2), correction=torch.tensor([[2.0, 2.0], [0.5, 0.5]])
     )
-    assert Algorithm().loss(plain, 4.0, 2.0)[0].item() == pytest.approx(-1.0)
-    assert Algorithm().loss(weighted, 4.0, 2.0)[0].item() == pytest.approx(-1.25)
+    assert Algorithm(AlgorithmConfig()).loss(plain, 4.0, 2.0)[0].item() == pytest.approx(-1.0)
+    assert Algorithm(AlgorithmConfig()).loss(weighted, 4.0, 2.0)[0].item() == pytest.approx(-1.25)

@@ -2,7 +2,7 @@
 packed transport's exact round trip, and - with a vLLM rollout actor per architecture,
 each in the session's one rollout process (tests/rollout_host.py) - that weights
 reproduce an HF forward pass after every sync, published through the object store or
-sent through vLLM's weight transfer (rlray/weight_transfer.py, over gloo).
+sent through vLLM's weight transfer (rlray/weights/transfer.py, over gloo).
 
 The models are tiny and random (hidden 128, 2 layers, head_dim 64 as vLLM's CPU
 attention needs, the character tokenizer), built offline. Before each sync every
@@ -23,17 +23,18 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-from rlray.data import PromptRow
-from rlray.episode import Episode
-from rlray.models import build_char_tokenizer
-from rlray.weight_transfer import PolicySource, RolloutClient, TransferSender
-from rlray.weights import (
+from rlray.cluster.learners import RolloutClient
+from rlray.core.episode import Episode
+from rlray.core.prompt import PromptRow
+from rlray.data.tiny_models import build_char_tokenizer
+from rlray.weights.packing import (
     pack_weights,
     publishable_weights,
     tied_output_name,
     unpack_weights,
     weights_for_vllm,
 )
+from rlray.weights.transfer import PolicySource, TransferSender
 from tests.conftest import free_port
 from tests.rollout_host import RolloutHost, rollout_actor
 

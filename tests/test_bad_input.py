@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlray.config import Config, ConfigError, parse_command_line
-from rlray.driver import plan_run
-from rlray.models import resolve_model_path
+from rlray.data.models import resolve_model_path
+from rlray.driver.plan import plan_run
 from tests.jobs_helper import REPO
 
 
@@ -213,7 +213,7 @@ def test_prompts_that_lose_characters_are_warned_about_once_with_an_example(tmp_
     prompts[2]["prompt"], prompts[4]["prompt"] = "1+1= ça", "2+2= ?"
     train = jsonl(tmp_path / "train.jsonl", *prompts)
     config = parse_command_line(["--data.train", train, "--run-dir", str(tmp_path / "run")]).config
-    with caplog.at_level(logging.WARNING, logger="rlray.driver"):
+    with caplog.at_level(logging.WARNING, logger="rlray.driver.plan"):
         plan_run(config, None)
     warnings = [r.getMessage() for r in caplog.records if "lose characters" in r.getMessage()]
     assert warnings == [
@@ -227,7 +227,7 @@ def test_the_context_window_check_follows_vllm_rope_scaling(tiny_model, tmp_path
     config = json.loads((model / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
     (model / "config.json").write_text(json.dumps(config))
-    from rlray.models import model_limits
+    from rlray.data.models import model_limits
 
     assert model_limits(str(model), 256).max_model_len == 256
     with pytest.raises(ConfigError, match=r"\(256: max_position_embeddings x RoPE factor 4.0"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlray.buffer import BufferedBatch, EpisodeBuffer
+from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer
 
 
 def batch(version: int, size: int = 4, batch_id: int = 0) -> BufferedBatch:

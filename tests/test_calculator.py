@@ -8,18 +8,12 @@ import json
 
 import pytest
 
-from rlray.calculator import (
-    CalculatorEnvironment,
-    MultiplicationPrompts,
-    calculate,
-    demonstration,
-    held_out_pairs,
-    multiplication_row,
-)
 from rlray.config import ConfigError
-from rlray.episode import Span
-from rlray.multiturn import load_environment
+from rlray.core.episode import Span
+from rlray.data.calculator import calculate, demonstration
+from rlray.data.tasks import MULTIPLICATION, TaskPrompts, addition
 from rlray.rewards.trace import environment_reward
+from rlray.rollout.environments import CalculatorEnvironment, load_environment
 
 
 @pytest.mark.parametrize(
@@ -37,7 +31,7 @@ def test_other_text_is_not_a_calculator_call(text):
 
 def test_a_tool_call_is_answered_with_its_result_and_recorded():
     environment = CalculatorEnvironment()
-    assert environment.reset(multiplication_row(12, 34)) == ""
+    assert environment.reset(MULTIPLICATION.row(12, 34)) == ""
     result = environment.step("(12*34)")
     assert (result.observation, result.reward, result.done) == ("408=", 0.0, False)
     (span,) = environment.take_spans()
@@ -53,7 +47,7 @@ def test_a_tool_call_is_answered_with_its_result_and_recorded():
 
 def test_a_malformed_call_gets_no_result_and_an_error_span():
     environment = CalculatorEnvironment()
-    environment.reset(multiplication_row(12, 34))
+    environment.reset(MULTIPLICATION.row(12, 34))
     result = environment.step("(12*")
     assert (result.observation, result.done) == ("=", False)
     (span,) = environment.take_spans()
@@ -63,7 +57,7 @@ def test_a_malformed_call_gets_no_result_and_an_error_span():
 @pytest.mark.parametrize(("answer", "reward"), [("408", 1.0), ("407", 0.0), ("4080", 0.0)])
 def test_a_turn_without_a_call_is_the_final_answer(answer, reward):
     environment = CalculatorEnvironment()
-    environment.reset(multiplication_row(12, 34))
+    environment.reset(MULTIPLICATION.row(12, 34))
     result = environment.step(answer)
     assert (result.reward, result.done) == (reward, True)
 
@@ -76,16 +70,25 @@ def test_demonstrations_train_the_model_turns_only():
 
 
 def test_training_prompts_never_hold_an_evaluation_pair():
-    held_out = set(held_out_pairs(100))
-    prompts = MultiplicationPrompts(seed=0, held_out=100)
+    held_out = set(MULTIPLICATION.held_out_pairs(100))
+    prompts = TaskPrompts(MULTIPLICATION, seed=0, held_out=100)
     rows = [prompts.row(i) for i in range(2000)]
     pairs = {tuple(int(x) for x in r.prompt.rstrip("=").split("*")) for r in rows}
     assert not pairs & held_out and len(held_out) == 100
     assert all(10 <= a < 100 and 10 <= b < 100 for a, b in pairs)
-    assert rows[5] == MultiplicationPrompts(seed=0, held_out=100).row(5)  # seeded stream
+    assert rows[5] == TaskPrompts(MULTIPLICATION, seed=0, held_out=100).row(5)  # seeded
     for row in rows[:50]:
         a, b = (int(x) for x in row.prompt.rstrip("=").split("*"))
         assert row.columns["answer"] == str(a * b)
+
+
+def test_held_out_pairs_and_streams_stay_what_earlier_runs_were_measured_on():
+    # Drawn by rlray before its tasks shared one implementation: BENCHMARKS.md's
+    # held-out accuracies are over these pairs.
+    assert addition(2).held_out_pairs(4) == [(22, 86), (0, 5), (86, 88), (17, 77)]
+    assert MULTIPLICATION.held_out_pairs(4) == [(83, 93), (73, 30), (32, 81), (21, 79)]
+    assert TaskPrompts(addition(2), 7, 200).row(3).prompt == "99+45="
+    assert TaskPrompts(MULTIPLICATION, 7, 200).row(3).prompt == "55*27="
 
 
 class NoStep:

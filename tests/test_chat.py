@@ -10,20 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from rlray.chat import MESSAGES_COLUMN, accepts_chat, render_prompt, reward_inputs
 from rlray.config import BUILTIN_MODEL, Config, ConfigError, RewardSpec, validate
-from rlray.data import PromptRow, eval_rows, read_jsonl
-from rlray.driver import _check_stop_token_ids, plan_run
-from rlray.episode import ModelLimits
-from rlray.models import (
-    CHAR_CHAT_TEMPLATE,
-    build_char_tokenizer,
-    load_tokenizer,
-    read_prompts,
-    resolve_model_path,
-)
-from rlray.rewards import RewardWorker, exact_match
-from rlray.rewards.text import numeric_match
+from rlray.core.episode import ModelLimits
+from rlray.core.prompt import PromptRow
+from rlray.data.chat import MESSAGES_COLUMN, accepts_chat, render_prompt, reward_inputs
+from rlray.data.models import load_tokenizer, read_prompts, resolve_model_path
+from rlray.data.prompts import eval_rows, read_jsonl
+from rlray.data.tiny_models import CHAR_CHAT_TEMPLATE, build_char_tokenizer
+from rlray.driver.plan import _check_stop_token_ids, plan_run
+from rlray.rewards.text import exact_match, numeric_match
+from rlray.rewards.worker import RewardWorker
 from tests.rollout_host import ROLLOUT, rollout_actor
 from tests.test_episode import make_episode
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rlray.checkpoints import BestCheckpoint
+from rlray.driver.evaluation import BestCheckpoint
 
 
 def test_best_is_the_highest_value_and_the_first_of_equals(tmp_path):

@@ -1,7 +1,7 @@
 """The cluster commands as a user types them, run for real.
 
-- The README's one-machine cluster lines, taken from README.md itself, run exactly as
-  they stand, in order, in a fresh shell (clean environment, a fresh home directory)
+- The one-machine cluster lines of docs/cluster.md, taken from the page itself, run
+  exactly as they stand, in order, in a fresh shell (clean environment, a fresh home directory)
   right after a short local run, which leaves ~/.ray/auth_token behind as `make run`
   does. Their job is the default job, so this test also checks that the default job
   (what `make run` runs) raises held-out accuracy by at least 20 points.
@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from rlray.config import LearnerConfig
-from rlray.models import cache_dir
+from rlray.data.cache import cache_dir
 from tests.isolated_host import FRESH_PATH, missing_tools, run_isolated
 from tests.jobs_helper import REPO, SHORT_RUN
 
@@ -63,10 +63,10 @@ WAIT_FOR_PORT = (
 
 
 def readme_local_cluster_lines() -> list[str]:
-    """Returns the lines of the README's bash block that starts a one-node cluster."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
+    """Returns the lines of docs/cluster.md's bash block that starts a one-node cluster."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "docs/cluster.md").read_text(), re.M | re.S)
     found = [b for b in blocks if re.search(r"^ray start --head", b, re.M)]
-    assert len(found) == 1, f"README.md has {len(found)} bash blocks with `ray start --head`"
+    assert len(found) == 1, f"docs/cluster.md has {len(found)} bash blocks with `ray start --head`"
     return found[0].splitlines()
 
 
@@ -96,7 +96,7 @@ def test_readme_local_cluster_lines_work_in_a_fresh_shell_after_a_local_run(tmp_
 cd {shlex.quote(str(REPO))}
 {local_run} > {tmp_path}/local-run.log 2>&1 || {{ tail -40 {tmp_path}/local-run.log; exit 1; }}
 test -s "$HOME/.ray/auth_token" || {{ echo "the local run left no ~/.ray/auth_token"; exit 1; }}
-echo "--- the README's lines, in a fresh shell"
+echo "--- docs/cluster.md's lines, in a fresh shell"
 env -i HOME="$HOME" PATH={FRESH_PATH} bash -ex {tmp_path}/readme-lines.sh
 """
     env = {"HOME": str(home), "PATH": FRESH_PATH}

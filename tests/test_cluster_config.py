@@ -24,14 +24,14 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from rlray import telemetry
+from rlray.cluster import telemetry
 from rlray.config import parse_command_line, validate
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_FILES = ["cluster.yaml", "cluster-local.yaml"]
 DASHBOARD = REPO / "grafana" / "rlray-dashboard.json"
 
-# The metrics rlray defines (rlray/telemetry.py): name -> (kind, tags). The dashboard
+# The metrics rlray defines (rlray/cluster/telemetry.py): name -> (kind, tags). The dashboard
 # is checked against this one list.
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     name: (kind, tags) for name, (kind, _, tags) in telemetry.METRICS.items()

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlray import distributed as dd
-from rlray import rl_math as rm
+from rlray.algorithms import rl_math as rm
 from rlray.config import Config
-from rlray.engine import TokenBatch, collate
-from rlray.models import resolve_model_path
+from rlray.data.models import resolve_model_path
+from rlray.learner import distributed as dd
+from rlray.learner.engine import TokenBatch, collate
 
 MICRO_BATCH = 3
 ROWS = 10

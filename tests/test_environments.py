@@ -1,6 +1,7 @@
-"""Environments and tools (rlray.environments, rlray.tools): tool-call parsing, every
-failure as an observation and an error span, the calculator's arithmetic and refusals,
-the try-again flow under a turn limit, async environments, and the tool reward."""
+"""Environments and tools (rlray.rollout.environments, rlray.rollout.tools): tool-call
+parsing, every failure as an observation and an error span, the calculator's arithmetic
+and refusals, the try-again flow under a turn limit, async environments, and the tool
+reward."""
 
 from __future__ import annotations
 
@@ -12,20 +13,19 @@ import time
 
 import pytest
 
-from rlray.data import PromptRow
-from rlray.environments import (
-    StepResult,
+from rlray.core.environment import StepResult, maybe_await
+from rlray.core.episode import Episode, Span, from_table, to_table, validate_episode
+from rlray.core.prompt import PromptRow
+from rlray.rewards.trace import tool_success
+from rlray.rollout.environments import (
     ToolEnvironment,
     TryAgainEnvironment,
     TurnLimited,
-    maybe_await,
     parse_tool_calls,
     plain_turn,
-    tool_success,
 )
-from rlray.episode import Episode, Span, from_table, to_table, validate_episode
-from rlray.multiturn import call_maybe_async
-from rlray.tools import (
+from rlray.rollout.multiturn import call_maybe_async
+from rlray.rollout.tools import (
     CALCULATOR,
     CalculatorError,
     Tool,

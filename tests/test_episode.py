@@ -8,7 +8,7 @@ import re
 import pyarrow as pa
 import pytest
 
-from rlray.episode import (
+from rlray.core.episode import (
     EPISODE_SCHEMA,
     Episode,
     EpisodeError,

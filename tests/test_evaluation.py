@@ -7,11 +7,14 @@ import itertools
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
-from rlray import evaluation as ev
-from rlray.evaluation import EvalSample, EvalSummary, Metric
+from rlray.core import evaluation as ev
+from rlray.core.evaluation import EvalSample, EvalSummary, Metric
+from rlray.driver.evaluation import BestCheckpoint
+from rlray.observe import comparison as cmp
 
 # ---------------------------------------------------------------- pass@k and mean@k
 
@@ -221,7 +224,7 @@ def test_summary_rejects_bad_samples_naming_the_problem(samples, ks, message):
 
 def test_model_compared_with_itself_differs_by_zero_with_zero_stderr():
     samples = two_component_samples()
-    comparison = ev.compare([ev.summarize(m, samples, ks=(1, 2)) for m in ("base", "copy")])
+    comparison = cmp.compare([ev.summarize(m, samples, ks=(1, 2)) for m in ("base", "copy")])
     for row in comparison.metrics:
         assert row.differences == (0.0, 0.0)
         assert row.difference_stderrs == (0.0, 0.0)
@@ -239,7 +242,7 @@ def three_prompts(base: bool) -> list[EvalSample]:
 def test_paired_stderr_matches_hand_computation():
     base = ev.summarize("base", three_prompts(base=True))
     trained = ev.summarize("trained", three_prompts(base=False))
-    row = ev.compare([base, trained]).metrics[0]
+    row = cmp.compare([base, trained]).metrics[0]
     assert row.name == "reward/mean"
     # differences d = [0.5, 0.5, 0], mean 1/3; deviations 1/6, 1/6, -1/3;
     # var = (1/36 + 1/36 + 4/36) / 2 = 1/12; se = sqrt(1/12) / sqrt(3) = 1/6
@@ -255,8 +258,8 @@ def test_paired_stderr_matches_hand_computation():
 def test_swapping_the_baseline_flips_the_signs():
     base = ev.summarize("base", three_prompts(base=True))
     trained = ev.summarize("trained", three_prompts(base=False))
-    forward = ev.compare([base, trained])
-    backward = ev.compare([trained, base])
+    forward = cmp.compare([base, trained])
+    backward = cmp.compare([trained, base])
     for f, b in zip(forward.metrics, backward.metrics, strict=True):
         assert b.differences[1] == pytest.approx(-f.differences[1])
         assert b.difference_stderrs[1] == pytest.approx(f.difference_stderrs[1])
@@ -267,21 +270,21 @@ def test_comparison_pairs_prompts_by_id_not_by_order():
     summary = ev.summarize("base", samples, ks=(1, 2))
     shuffled = ev.summarize("shuffled", list(reversed(samples)), ks=(1, 2))
     assert shuffled.prompt_ids == ("b", "a")
-    for row in ev.compare([summary, shuffled]).metrics:
+    for row in cmp.compare([summary, shuffled]).metrics:
         assert row.differences == (0.0, 0.0)
         assert row.difference_stderrs == (0.0, 0.0)
 
 
-def tiny_comparison() -> ev.Comparison:
+def tiny_comparison() -> cmp.Comparison:
     # base: a 0, b 1 -> 0.5 ± stdev([0, 1])/sqrt(2) = 0.5; trained: a 1, b 1 -> 1 ± 0;
     # differences [1, 0] -> +0.5 ± 0.5
     base = ev.summarize("base", samples_of({"a": [0.0], "b": [1.0]}))
     trained = ev.summarize("trained", samples_of({"a": [1.0], "b": [1.0]}))
-    return ev.compare([base, trained])
+    return cmp.compare([base, trained])
 
 
 def test_markdown_table_exact_text():
-    assert ev.comparison_markdown(tiny_comparison()) == (
+    assert cmp.comparison_markdown(tiny_comparison()) == (
         "Mean ± standard error over 2 prompts; "
         "Δ is the difference to base, ± its standard error paired over prompts.\n"
         "\n"
@@ -296,7 +299,7 @@ def test_markdown_has_a_value_and_a_difference_column_per_compared_model():
     base = ev.summarize("base", three_prompts(base=True))
     trained = ev.summarize("trained", three_prompts(base=False))
     worse = ev.summarize("worse", samples_of({"a": [0.0] * 2, "b": [0.0] * 2, "c": [0.0] * 2}))
-    lines = ev.comparison_markdown(ev.compare([base, trained, worse])).splitlines()
+    lines = cmp.comparison_markdown(cmp.compare([base, trained, worse])).splitlines()
     assert lines[2] == "| metric | base | trained | Δ trained | worse | Δ worse |"
     # worse - base: d = [0, -0.5, -1], mean -0.5, var 0.25, se 0.5/sqrt(3) = 0.289
     assert lines[4] == (
@@ -306,7 +309,7 @@ def test_markdown_has_a_value_and_a_difference_column_per_compared_model():
 
 
 def test_json_holds_every_value_and_difference():
-    document = json.loads(ev.comparison_json(tiny_comparison()))
+    document = json.loads(cmp.comparison_json(tiny_comparison()))
     assert document["baseline"] == "base"
     assert document["models"] == ["base", "trained"]
     assert document["prompts"] == 2
@@ -319,62 +322,67 @@ def test_json_holds_every_value_and_difference():
 
 def test_write_comparison_writes_json_and_markdown(tmp_path):
     comparison = tiny_comparison()
-    json_path, markdown_path = ev.write_comparison(comparison, tmp_path / "eval")
+    json_path, markdown_path = cmp.write_comparison(comparison, tmp_path / "eval")
     assert json_path == tmp_path / "eval" / "comparison.json"
-    assert json_path.read_text(encoding="utf-8") == ev.comparison_json(comparison)
-    assert markdown_path.read_text(encoding="utf-8") == ev.comparison_markdown(comparison)
+    assert json_path.read_text(encoding="utf-8") == cmp.comparison_json(comparison)
+    assert markdown_path.read_text(encoding="utf-8") == cmp.comparison_markdown(comparison)
 
 
 def test_compare_rejects_models_that_cannot_be_paired():
     base = ev.summarize("base", samples_of({"a": [1.0], "b": [0.0]}))
     other_prompts = ev.summarize("other", samples_of({"a": [1.0], "c": [0.0]}))
     with pytest.raises(ValueError, match="not scored on the same prompts; 2 are in one only"):
-        ev.compare([base, other_prompts])
+        cmp.compare([base, other_prompts])
     with pytest.raises(ValueError, match="2 summaries are named 'base'"):
-        ev.compare([base, base])
+        cmp.compare([base, base])
     more_ks = ev.summarize("more", samples_of({"a": [1.0, 0.0], "b": [0.0, 0.0]}), ks=(1, 2))
     with pytest.raises(ValueError, match="'more' has metrics"):
-        ev.compare([base, more_ks])
+        cmp.compare([base, more_ks])
     with pytest.raises(ValueError, match="no summaries"):
-        ev.compare([])
+        cmp.compare([])
 
 
 # ---------------------------------------------------------------- the best checkpoint
 
 
-def summary_with(name: str, value: float, higher_is_better: bool = True) -> EvalSummary:
-    metric = Metric(value, 0.0, (value, value), higher_is_better)
+def summary_with(name: str, value: float) -> EvalSummary:
+    metric = Metric(value, 0.0, (value, value))
     return EvalSummary("model", ("a", "b"), 1, 1.0, {name: metric})
 
 
-def test_best_checkpoint_is_highest_or_lowest_as_the_metric_says():
+def best_step(run_dir: Path, evaluations: dict[int, EvalSummary], metric: str) -> int | None:
+    """Returns the step a run's BestCheckpoint keeps after these evaluations, in order."""
+    best = BestCheckpoint(run_dir, metric, before_step=0)
+    for step, summary in evaluations.items():
+        values = {name: m.value for name, m in summary.metrics.items()}
+        if best.improves(values):
+            best.record(step, values[metric], 0.0, None, "base")
+    return best.best and best.best["step"]
+
+
+def test_best_checkpoint_is_the_highest(tmp_path):
     steps = {0: 0.2, 100: 0.7, 200: 0.5}
     higher = {step: summary_with("reward/pass@1", v) for step, v in steps.items()}
-    assert ev.best_checkpoint(higher, "reward/pass@1") == 100
-    lower = {
-        step: summary_with("length/mean", v, higher_is_better=False) for step, v in steps.items()
-    }
-    assert ev.best_checkpoint(lower, "length/mean") == 0
+    assert best_step(tmp_path, higher, "reward/pass@1") == 100
 
 
-def test_best_checkpoint_takes_the_first_of_equals():
+def test_best_checkpoint_takes_the_first_of_equals(tmp_path):
     evaluations = {step: summary_with("reward/mean", 0.5) for step in (0, 100, 200)}
-    assert ev.best_checkpoint(evaluations, "reward/mean") == 0
+    assert best_step(tmp_path, evaluations, "reward/mean") == 0
 
 
-def test_best_checkpoint_of_real_summaries():
+def test_best_checkpoint_of_real_summaries(tmp_path):
     evaluations = {
         0: ev.summarize("step 0", three_prompts(base=True)),
         100: ev.summarize("step 100", three_prompts(base=False)),
     }
-    assert ev.best_checkpoint(evaluations, "reward/pass@1") == 100
+    assert best_step(tmp_path, evaluations, "reward/pass@1") == 100
 
 
-def test_best_checkpoint_rejects_unknown_metric_and_no_evaluations():
-    with pytest.raises(ValueError, match="evaluation 0 has no metric 'reward/pass@8'"):
-        ev.best_checkpoint({0: summary_with("reward/mean", 0.5)}, "reward/pass@8")
-    with pytest.raises(ValueError, match="no evaluations"):
-        ev.best_checkpoint({}, "reward/mean")
+def test_best_checkpoint_rejects_unknown_metric_and_keeps_none_before_an_evaluation(tmp_path):
+    with pytest.raises(ValueError, match="evaluation has no metric 'reward/pass@8'"):
+        best_step(tmp_path, {0: summary_with("reward/mean", 0.5)}, "reward/pass@8")
+    assert best_step(tmp_path, {}, "reward/mean") is None
 
 
 # ---------------------------------------------------------------- names and failed scores

@@ -13,17 +13,14 @@ resumed job's to its new actors).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from rlray.episodes import read
-from tests.jobs_helper import SHORT_RUN, metrics
+from rlray.episodes.reader import read
+from tests.jobs_helper import SHORT_RUN, kill, metrics, pid_of
 from tests.test_store_job import start_job, wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,16 +32,6 @@ SAMPLES = 4
 def steps_logged(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(metrics(run_dir)) if path.exists() else 0
-
-
-def pid_of(run_dir: Path, actor: str) -> int:
-    """Returns the process id of one of the run's actors (placement.json names it)."""
-    return json.loads((run_dir / "placement.json").read_text())[actor]["pid"]
-
-
-def kill(run_dir: Path, actor: str) -> None:
-    """SIGKILLs the process of one of the run's actors."""
-    os.kill(pid_of(run_dir, actor), signal.SIGKILL)
 
 
 def attempts(run_dir: Path) -> dict[str, list[dict]]:

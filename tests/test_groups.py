@@ -4,9 +4,9 @@ groups split off for dynamic sampling with every episode accounted for."""
 import pytest
 
 from rlray.config import RewardSpec
-from rlray.episode import Episode
-from rlray.groups import check_whole_groups, group_indexes, split_uniform_groups
-from rlray.rewards import RewardWorker
+from rlray.core.episode import Episode
+from rlray.core.groups import check_whole_groups, group_indexes, split_uniform_groups
+from rlray.rewards.worker import RewardWorker
 
 
 def episode(prompt_index: int, sample: int, reward: float | None, prompt: str = "") -> Episode:

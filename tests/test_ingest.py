@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import pytest
 from aiohttp import web
 
-from rlray.buffer import BufferedBatch, EpisodeBuffer
 from rlray.config import Config, ConfigError, RewardSpec, validate
-from rlray.episode import ModelLimits
-from rlray.episodes import read
-from rlray.ingest import IngestError, IngestService, make_app, parse_episodes
-from rlray.rewards import RewardWorker
-from rlray.store import EpisodeStore
+from rlray.core.episode import ModelLimits
+from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer
+from rlray.episodes.ingest import IngestError, IngestService, make_app, parse_episodes
+from rlray.episodes.reader import read
+from rlray.episodes.store import EpisodeStore
+from rlray.rewards.worker import RewardWorker
 from tests.conftest import free_port
 
 TOKEN = "s3cret"
@@ -289,14 +289,13 @@ def test_episodes_the_model_cannot_take_get_a_400():
 
 
 def test_the_ingest_actor_checks_posted_episodes_against_the_runs_model(caplog):
-    from rlray.actors import Actors, IngestActor
+    from rlray.cluster.roles import IngestActor
     from rlray.config import IngestConfig
-    from rlray.models import model_limits, resolve_model_path
+    from rlray.data.models import model_limits, resolve_model_path
 
     path = resolve_model_path(Config().model.path)
     limits = model_limits(path, 8)
-    actors = Actors(rollout=[], rollout_names=[], reward=[], reward_names=[], store=None)
-    actor = IngestActor(IngestConfig(train=True), "", path, actors, limits)
+    actor = IngestActor(IngestConfig(train=True), "", path, [], None, None, limits)
     # Posted without token ids: tokenized (a character each, <eos> last), then checked.
     long = episode("long", prompt="12+34=", completion="46+1", reward=1.0)
     with pytest.raises(IngestError, match=r"6 prompt \+ 5 completion tokens exceed the context"):
@@ -305,8 +304,8 @@ def test_the_ingest_actor_checks_posted_episodes_against_the_runs_model(caplog):
     with pytest.raises(IngestError, match=r"token id 20 is outside the model's vocabulary"):
         asyncio.run(actor.service.ingest(json.dumps(out_of_vocab).encode()))
     posted = [episode(f"e{i}", prompt=f"1+1= été {i}", completion="2") for i in range(3)]
-    with caplog.at_level("WARNING", logger="rlray.actors"):
-        actor._tokenize(parse_episodes(json.dumps(posted).encode()))
+    with caplog.at_level("WARNING", logger="rlray.episodes.ingest"):
+        actor.service.tokenize(parse_episodes(json.dumps(posted).encode()))
     warnings = [r.getMessage() for r in caplog.records if "lose characters" in r.getMessage()]
     assert warnings == [
         "ingest: posted prompts lose characters to the model's tokenizer, e.g. "

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rlray.interrupts import interrupts_held
+from rlray.driver.interrupts import interrupts_held
 
 
 def send(signum: int) -> None:

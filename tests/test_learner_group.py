@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlray import distributed as dd
 from rlray.config import Config
-from rlray.episode import Episode
-from rlray.learner import Learner
-from rlray.models import resolve_model_path
+from rlray.core.episode import Episode
+from rlray.data.models import resolve_model_path
+from rlray.learner import distributed as dd
+from rlray.learner.rl import Learner
 from tests.test_learner import episodes_for
 
 # Prompts of different lengths, completions of different lengths: the split by tokens
@@ -163,7 +163,8 @@ def test_a_groups_checkpoint_resumes_in_one_learner_to_the_same_next_step(runs):
 
 
 def test_a_group_names_its_learners_and_survives_pickling():
-    from rlray.actors import Actors, LearnerGroup, learner_names
+    from rlray.cluster.learners import LearnerGroup, learner_names
+    from rlray.cluster.start import Actors
 
     assert learner_names(0) == [] and learner_names(3) == ["learner", "learner-1", "learner-2"]
     # The run's Actors travel to the ingest actor pickled, learner group and all.

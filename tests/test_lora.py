@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlray.config import Config
-from rlray.learner import Learner
-from rlray.models import resolve_model_path
-from rlray.weights import publishable_weights
+from rlray.data.models import resolve_model_path
+from rlray.learner.rl import Learner
+from rlray.weights.packing import publishable_weights
 from tests.jobs_helper import metrics, run_job
 from tests.test_learner import REWARDS, episodes_for, log_odds_of_rewarded, sequence_logprob
 
@@ -152,7 +152,7 @@ def test_published_weights_are_the_merged_model_under_the_base_names(model_path,
 
 
 def test_the_weight_transfer_streams_the_published_weights_as_it_declares(model_path, device):
-    from rlray.weight_transfer import PolicySource
+    from rlray.weights.transfer import PolicySource
 
     learner = make_learner(model_path, device)
     learner.train_step(episodes_for(learner, REWARDS))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rlray.memory import GIB, MemoryMonitor, pss_bytes, total_pss_bytes, with_descendants
+from rlray.observe.memory import GIB, MemoryMonitor, pss_bytes, total_pss_bytes, with_descendants
 
 MIB = 1024**2
 
@@ -74,8 +74,8 @@ def test_the_monitor_keeps_the_last_and_the_peak(forked_pair):
 
 def test_the_kv_cache_is_sized_to_a_rollout_batch():
     from rlray.config import Config
-    from rlray.models import resolve_model_path
-    from rlray.rollout import kv_cache_bytes, vllm_env
+    from rlray.data.models import resolve_model_path
+    from rlray.rollout.worker import kv_cache_bytes, vllm_env
 
     config = Config()
     path = resolve_model_path(config.model.path)
@@ -95,12 +95,13 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
 
 
 def test_the_driver_and_small_actors_do_not_import_torch(tmp_path):
-    # Every actor process imports rlray.actors (Ray finds actor classes by module);
+    # Every actor process imports its Ray face (rlray.cluster) (Ray finds actor classes by module);
     # torch and transformers would add ~300 MB of private memory to each of them. The
     # driver also writes TensorBoard files all run long.
     code = (
-        "import sys, pathlib, rlray.actors, rlray.driver, rlray.tracking; "
-        f"rlray.tracking.Trackers(pathlib.Path({str(tmp_path)!r}), {{}}, 'x', False).close(); "
+        "import sys, pathlib, rlray.cluster.start, rlray.driver.training; "
+        "from rlray.observe.tracking import Trackers; "
+        f"Trackers(pathlib.Path({str(tmp_path)!r}), {{}}, 'x', False).close(); "
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -110,7 +111,7 @@ def test_the_driver_and_small_actors_do_not_import_torch(tmp_path):
 
 def test_prompt_lengths_are_counted_as_the_tokenizer_counts_them():
     from rlray.config import Config
-    from rlray.models import load_tokenizer, prompt_token_counts, resolve_model_path
+    from rlray.data.models import load_tokenizer, prompt_token_counts, resolve_model_path
 
     path = resolve_model_path(Config().model.path)
     prompts = ["12+34=", "1+2=", "99 * (3-1) ="]
@@ -121,7 +122,7 @@ def test_prompt_lengths_are_counted_as_the_tokenizer_counts_them():
 
 def test_prompt_readings_are_cached_under_the_tokenizer_files_and_prompts(tmp_path, monkeypatch):
     from rlray.config import Config
-    from rlray.models import read_prompts, resolve_model_path
+    from rlray.data.models import read_prompts, resolve_model_path
 
     model = tmp_path / "model"
     shutil.copytree(resolve_model_path(Config().model.path), model)

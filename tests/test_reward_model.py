@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rlray.config import Config, RewardSpec
-from rlray.models import resolve_model_path
-from rlray.preferences import preference_batches
-from rlray.reward_model import RewardModelTrainer, cosine_factor
-from rlray.rewards import RewardWorker
+from rlray.data.models import resolve_model_path
+from rlray.data.preferences import preference_batches
+from rlray.learner.reward_model import RewardModelTrainer, cosine_factor
+from rlray.rewards.worker import RewardWorker
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
 

@@ -9,8 +9,9 @@ import textwrap
 import pytest
 
 from rlray.config import ConfigError, RewardSpec
-from rlray.learner import component_means
-from rlray.rewards import RewardWorker, absolute_spec_path, check_rewards, scheduled_weight
+from rlray.learner.rl import component_means
+from rlray.rewards.loading import absolute_spec_path, check_rewards, scheduled_weight
+from rlray.rewards.worker import RewardWorker
 from tests.test_episode import make_episode
 
 USER_REWARDS = '''
@@ -246,7 +247,7 @@ def test_reward_code_that_exits_or_crashes_fails_only_its_episodes(user_file, ca
 
 
 def test_evaluation_is_scored_by_the_eval_rewards_and_comes_back_as_small_records(user_file):
-    from rlray.evaluation import EvalEpisodes
+    from rlray.core.evaluation import EvalEpisodes
 
     greedy = episodes("ab", "bad")
     sampled = episodes("a", "abc", "bad", "abcd")

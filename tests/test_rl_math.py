@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from rlray import rl_math as rm
+from rlray.algorithms import rl_math as rm
+from rlray.algorithms.losses import POLICY_LOSSES
 
 LN2 = math.log(2.0)
 
@@ -247,8 +248,8 @@ def test_policy_losses_equal_on_policy_at_ratio_one():
     logp = torch.randn(2, 3).requires_grad_()
     adv = torch.randn(2, 3)
     mask = torch.ones(2, 3)
-    for kind in rm.POLICY_LOSSES:
-        loss, _ = rm.policy_token_loss(kind, logp, logp.detach(), adv, mask, 0.2, 0.2)
+    for kind in POLICY_LOSSES:
+        loss, _ = POLICY_LOSSES[kind].token_loss(logp, logp.detach(), adv, mask, 0.2, 0.2)
         (grad,) = torch.autograd.grad(loss.sum(), logp)
         torch.testing.assert_close(grad, -adv, msg=kind)
 
@@ -282,7 +283,7 @@ def test_aggregation_ignores_padding(mode):
     assert rm.aggregate(garbage, TOKEN_MASK, mode, max_length=3).item() == clean.item()
 
 
-@pytest.mark.parametrize("kind", rm.POLICY_LOSSES)
+@pytest.mark.parametrize("kind", POLICY_LOSSES)
 @pytest.mark.parametrize("mode", rm.LOSS_AGGREGATIONS)
 def test_two_micro_batches_give_the_same_gradient_as_one_batch(kind, mode):
     torch.manual_seed(0)
@@ -297,7 +298,7 @@ def test_two_micro_batches_give_the_same_gradient_as_one_batch(kind, mode):
 
     def loss_of(rows, whole: bool):
         logp = (features[rows] @ weight) * 0.1
-        loss, _ = rm.policy_token_loss(kind, logp, old[rows], adv[rows], mask[rows], 0.2, 0.3)
+        loss, _ = POLICY_LOSSES[kind].token_loss(logp, old[rows], adv[rows], mask[rows], 0.2, 0.3)
         totals = (None, None) if whole else (tokens, sequences)
         return rm.aggregate(loss, mask[rows], mode, *totals, max_length=3)
 
@@ -521,8 +522,8 @@ def test_every_function_makes_its_tensors_on_the_inputs_device():
         rm.implicit_rewards(scores, scores, 0.1),
         rm.bradley_terry_loss(scores, scores),
     ]
-    for kind in rm.POLICY_LOSSES:
-        outputs.extend(rm.policy_token_loss(kind, x, x, x, mask, 0.2, 0.2))
+    for kind in POLICY_LOSSES:
+        outputs.extend(POLICY_LOSSES[kind].token_loss(x, x, x, mask, 0.2, 0.2))
     for mode in rm.LOSS_AGGREGATIONS:
         outputs.append(rm.aggregate(x, mask, mode, 10.0, 4.0, max_length=3))
         outputs.append(rm.aggregate(x, mask, mode, max_length=3))
@@ -558,8 +559,10 @@ def test_math_on_the_test_device_equals_the_math_on_the_cpu(device):
             rm.token_logprobs(v["logits"], v["tokens"]),
             rm.rollout_correction_weights(v["y"], v["x"] * 0.1, v["mask"], "sequence", 2.0),
         ]
-        for kind in rm.POLICY_LOSSES:
-            loss, _ = rm.policy_token_loss(kind, v["y"], v["y"] * 0.5, v["x"], v["mask"], 0.2, 0.3)
+        for kind in POLICY_LOSSES:
+            loss, _ = POLICY_LOSSES[kind].token_loss(
+                v["y"], v["y"] * 0.5, v["x"], v["mask"], 0.2, 0.3
+            )
             out += [
                 rm.aggregate(loss, v["mask"], mode, max_length=t) for mode in rm.LOSS_AGGREGATIONS
             ]

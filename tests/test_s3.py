@@ -21,7 +21,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from rlray.s3 import PresignedUploader, S3Uploader, parse_s3_uri, put_presigned
+from rlray.episodes.s3 import PresignedUploader, S3Uploader, parse_s3_uri, put_presigned
 
 REPO = Path(__file__).resolve().parent.parent
 FAST_RETRY = {"backoff_s": 0.05, "max_backoff_s": 0.2}
@@ -230,7 +230,7 @@ def test_close_returns_the_spool_when_s3_never_answers_and_a_new_uploader_resume
     uploader = S3Uploader(bucket, "p", spool, down.url, **FAST_RETRY)
     contents = submit_all(uploader, episode_files(tmp_path / "local", 3))
 
-    with caplog.at_level(logging.WARNING, logger="rlray.s3"):
+    with caplog.at_level(logging.WARNING, logger="rlray.episodes.s3"):
         leftovers = uploader.close(timeout_s=0.5)
 
     assert leftovers == spooled_files(spool)
@@ -254,9 +254,9 @@ def test_the_command_in_the_leftover_warning_uploads_the_spool(aws_env, bucket, 
     spool = tmp_path / "spool"
     uploader = S3Uploader(bucket, "runs/r1", spool, down.url, **FAST_RETRY)
     contents = submit_all(uploader, episode_files(tmp_path / "local", 2))
-    with caplog.at_level(logging.WARNING, logger="rlray.s3"):
+    with caplog.at_level(logging.WARNING, logger="rlray.episodes.s3"):
         assert len(uploader.close(timeout_s=0.2)) == 2
-    command = re.search(r"`python (-m rlray\.s3 upload-spool [^`]+)`", caplog.text)
+    command = re.search(r"`python (-m rlray\.episodes\.s3 upload-spool [^`]+)`", caplog.text)
     assert command is not None, caplog.text
 
     down.start()

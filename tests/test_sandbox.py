@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import os
@@ -19,9 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlray import sandbox
 from rlray.rewards.code import code_tests, extract_code
-from rlray.sandbox import SandboxLimits, run_python
+from rlray.sandbox import run as sandbox
+from rlray.sandbox.run import SandboxLimits, run_python
 
 AS_ROOT = os.geteuid() == 0
 
@@ -457,7 +458,7 @@ def test_run_dies_with_its_caller(isolated):
     token = secrets.token_hex(8)
     sleeper = "import os, sys\n" + EXEC_SLEEPER.format(token=token)
     caller_code = (
-        f"from rlray.sandbox import run_python, SandboxLimits\n"
+        f"from rlray.sandbox.run import run_python, SandboxLimits\n"
         f"run_python({sleeper!r}, SandboxLimits(timeout_s=60))"
     )
     with _killed_afterwards(token) as left:
@@ -523,3 +524,13 @@ def _killed_afterwards(token: str):
         for pid in left():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_launcher_is_a_file_that_imports_only_the_standard_library():
+    # It runs as `python -I -S -B launcher.py`: without site-packages, so neither rlray
+    # nor any installed package may be imported there.
+    nodes = list(ast.walk(ast.parse(sandbox._LAUNCHER.read_text())))
+    imported = {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in nodes if isinstance(n, ast.ImportFrom) and n.module}
+    imported = {name.split(".")[0] for name in imported}
+    assert imported and imported <= set(sys.stdlib_module_names)

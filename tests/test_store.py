@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlray.episodes import read, summarize
-from rlray.store import EpisodeStore, mark_trained
+from rlray.episodes.reader import read, summarize
+from rlray.episodes.store import EpisodeStore, mark_trained
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
 
@@ -40,7 +40,7 @@ def test_read_round_trips_every_field_and_filters_runs(tmp_path):
     first.append(stored)
     second.append(episodes(1, run_id="b"))
     first.close(), second.close()
-    from rlray.episode import from_table
+    from rlray.core.episode import from_table
 
     back = from_table(read(tmp_path, runs=["a"]))
     for one, sent in zip(back, stored, strict=True):  # float32 logprobs: rounded
@@ -75,7 +75,7 @@ def test_journal_keeps_appends_a_dead_store_had_not_written(tmp_path):
 
 
 def test_a_flush_cut_short_is_redone_without_copies(tmp_path, monkeypatch):
-    from rlray import store as store_module
+    from rlray.episodes import store as store_module
 
     journal = tmp_path / "journal"
     store = EpisodeStore(tmp_path / "episodes", "run", rows_per_file=2, journal_dir=journal)
@@ -155,7 +155,7 @@ def test_presigned_url_service_uploads_without_credentials(tmp_path, monkeypatch
     from moto.server import ThreadedMotoServer
 
     from rlray.config import StoreConfig
-    from rlray.store import open_store
+    from rlray.episodes.store import open_store
     from tests.conftest import AWS_TEST_CREDENTIALS, free_port
 
     for key, value in AWS_TEST_CREDENTIALS.items():

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
 
-from rlray.episodes import read
+from rlray.episodes.reader import read
 from tests.conftest import AWS_TEST_CREDENTIALS, free_port
-from tests.jobs_helper import REPO, SHORT_RUN, metrics
+from tests.jobs_helper import REPO, SHORT_RUN, kill, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -192,36 +192,52 @@ def test_posted_episodes_reach_s3_once_across_an_outage_and_ctrl_c_keeps_every_e
 
 
 def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(job_env, tmp_path):
-    """jobs/collect.py scores every (prompt, sample) once and trains on none; storing to
-    an S3 endpoint nobody listens on, it still finishes and says where the files wait."""
+    """jobs/collect.py scores every (prompt, sample) once and trains on none, through a
+    dead rollout worker and a dead reward worker (the training driver's recovery);
+    storing to an S3 endpoint nobody listens on, it still finishes and says where the
+    files wait."""
     run_dir = tmp_path / "collect"
     nowhere = f"http://127.0.0.1:{free_port()}"
     collect = [sys.executable, str(REPO / "jobs" / "collect.py")]
     args = [
-        *["--prompts", "20", "--rollout.prompts_per_batch", "8", "--run-dir", str(run_dir)],
+        *["--prompts", "96", "--rollout.prompts_per_batch", "8", "--run-dir", str(run_dir)],
         *["--store.path", "s3://episodes/rl", "--store.s3_endpoint_url", nowhere],
         *["--store.upload_timeout_s", "3"],
     ]
-    result = subprocess.run(
-        [*collect, *args],
-        cwd=REPO,
-        env={**job_env, **AWS_ENV},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    output = tmp_path / "collect.out"
+    with output.open("w") as out:
+        job = subprocess.Popen(
+            [*collect, *args],
+            cwd=REPO,
+            env={**job_env, **AWS_ENV},
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        wait_until(lambda: (run_dir / "placement.json").exists())
+        kill(run_dir, "rollout-0")  # before or during its first batch
+        wait_until(lambda: "collected" in output.read_text())
+        kill(run_dir, "reward-0")
+        _, stderr = job.communicate(timeout=600)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # The rollout worker died in a call; the reward worker may have died between two
+    # calls, which Ray's restart hides from the driver (nothing of it is lost).
+    assert summary["actor_restarts"]["rollout-0"] == 1
     spool = run_dir / "episode-spool"
-    assert f"they wait in {spool}" in result.stderr
+    assert f"they wait in {spool}" in stderr
     spooled = sorted(spool.glob("*.data"))
     assert spooled  # kept locally, every episode of the run in them
     table = pa.concat_tables([pq.read_table(f) for f in spooled])
-    expected = {(p, s) for p in range(20) for s in range(4)}
-    assert prompt_samples(table) == expected and table.num_rows == 80
-    assert len(set(table.column("episode_id").to_pylist())) == 80
-    assert table["trained_at"].null_count == 80  # collected, never trained on
+    expected = {(p, s) for p in range(96) for s in range(4)}
+    assert prompt_samples(table) == expected and table.num_rows == 384
+    assert len(set(table.column("episode_id").to_pylist())) == 384
+    assert table["trained_at"].null_count == 384  # collected, never trained on
     assert table["reward"].null_count == 0
-    assert json.loads((run_dir / "summary.json").read_text())["episodes_stored"] == 80
+    assert summary["episodes_stored"] == 384
     no_count = subprocess.run(
         [*collect, "--run-dir", str(tmp_path / "x")], cwd=REPO, capture_output=True, text=True
     )

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlray.timing import PHASES, PhaseClock, describe_totals
+from rlray.observe.timing import PHASES, PhaseClock, describe_totals
 
 
 def test_a_lap_splits_its_wall_time_into_phases_and_the_rest():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlray.tracking import Trackers, flatten_metrics, wandb_run_id
+from rlray.observe.tracking import Trackers, flatten_metrics, wandb_run_id
 
 CONFIG = {"model": {"path": "tiny"}, "ppo": {"lr": 1e-5, "clip": 0.2}, "run_dir": Path("runs/x")}
 

@@ -13,8 +13,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from rlray.config import Config
-from rlray.models import resolve_model_path
-from rlray.weight_transfer import (
+from rlray.data.models import resolve_model_path
+from rlray.weights.transfer import (
     GlooTrainerInitInfo,
     PolicySource,
     TransferSender,

@@ -6,9 +6,11 @@ A reward scores a batch the way TRL's GRPOTrainer expects:
 
 - `rlray.rewards.loading`: spec names (built-ins, import paths) to callables, schedules.
 - `rlray.rewards.worker`: RewardWorker, which scores batches and survives faulty rewards.
-- `rlray.rewards.text`, `.code`, `.model_rewards`: the built-ins (README lists them).
+- `rlray.rewards.text`, `.code`, `.model_based`, `.trace`: the built-ins (docs/rewards.md
+  lists them).
 """
 
+from rlray.core.stats import ScoreStats
 from rlray.rewards.loading import (
     BUILTIN_REWARDS,
     LoadedReward,
@@ -19,7 +21,7 @@ from rlray.rewards.loading import (
     scheduled_weight,
 )
 from rlray.rewards.text import exact_match
-from rlray.rewards.worker import RewardWorker, ScoreStats
+from rlray.rewards.worker import RewardWorker
 
 __all__ = [
     "BUILTIN_REWARDS",

@@ -11,11 +11,11 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from rlray.rewards.loading import accepted_columns, load_reward
+
 
 def _serve(conn: Connection) -> None:
     """The child's loop: load the rewards, then answer calls until the parent goes."""
-    from rlray.rewards.loading import accepted_columns, load_reward
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_path, specs = conn.recv()
     sys.path[:] = parent_path

@@ -18,8 +18,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlray.chat import accepts_chat
-from rlray.sandbox import SandboxLimits, run_python
+from rlray.data.chat import accepts_chat
+from rlray.sandbox.run import SandboxLimits, run_python
 
 # A fenced block, any language (so that a ```bash block's closing fence is not taken for
 # an opening one): (language, body). An unclosed block, as in a completion cut at its

@@ -42,10 +42,10 @@ BUILTIN_REWARDS: dict[str, str] = {
     )
 } | {
     "code_tests": "rlray.rewards.code:code_tests",
-    "embedding_similarity": "rlray.rewards.model_rewards:EmbeddingSimilarity",
-    "classifier_reward": "rlray.rewards.model_rewards:ClassifierReward",
+    "embedding_similarity": "rlray.rewards.model_based:EmbeddingSimilarity",
+    "classifier_reward": "rlray.rewards.model_based:ClassifierReward",
     "environment_reward": "rlray.rewards.trace:environment_reward",
-    "tool_success": "rlray.environments:tool_success",
+    "tool_success": "rlray.rewards.trace:tool_success",
 }
 
 
@@ -59,10 +59,6 @@ class LoadedReward:
     kwargs: dict[str, Any]
     """Passed on every call (empty for classes: they got theirs at construction)."""
     spec: RewardSpec
-
-    def weight_at(self, step: int) -> float:
-        """Returns this component's weight at a learner step (its schedule, if any)."""
-        return scheduled_weight(self.spec, step)
 
 
 def scheduled_weight(spec: RewardSpec, step: int) -> float:
@@ -110,12 +106,25 @@ def resolve_target(name: str) -> Any:
     return import_attribute(target)
 
 
+# Where rlray's modules were before the package took a folder per role: a spec written
+# against an old path ("rlray.environments:ToolEnvironment") still finds its target.
+MOVED = {
+    "rlray.calculator": "rlray.rollout.environments",
+    "rlray.environments": "rlray.rollout.environments",
+    "rlray.environments:tool_success": "rlray.rewards.trace",
+    "rlray.multiturn": "rlray.rollout.multiturn",
+    "rlray.tools": "rlray.rollout.tools",
+    "rlray.rewards.model_rewards": "rlray.rewards.model_based",
+}
+
+
 def import_attribute(target: str) -> Any:
     """Returns the callable at "module:name" or "path/to/file.py:name"; raises ValueError
     with a one-line reason."""
     module_part, colon, attr = target.rpartition(":")
     if not colon or not module_part or not attr:
         raise ValueError(f"{target!r} is not 'module:name' nor 'path/to/file.py:name'")
+    module_part = MOVED.get(target, MOVED.get(module_part, module_part))
     module = _import_file(module_part) if module_part.endswith(".py") else _import(module_part)
     if not hasattr(module, attr):
         raise ValueError(f"{module_part} has no attribute {attr!r}")

@@ -43,7 +43,7 @@ from typing import Any
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from rlray.chat import accepts_chat
+from rlray.data.chat import accepts_chat
 
 _CJK = (
     r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"  # Han

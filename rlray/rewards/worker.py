@@ -1,6 +1,6 @@
 """RewardWorker: scores episode batches with every configured reward, surviving faults.
 
-A plain class: tests construct it in-process; rlray.actors runs it as `reward-<i>`.
+A plain class: tests construct it in-process; rlray.cluster runs it as `reward-<i>`.
 The reward functions run in a child process (rlray.rewards.process), so reward code that
 exits or crashes fails its call instead of ending the worker. A component that raises,
 exits, times out or gives NaN/None for an episode fails for that episode only: a batch
@@ -13,35 +13,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from rlray.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.config import RewardSpec
-from rlray.episode import Episode
-from rlray.evaluation import EvalEpisodes, EvalSample
-from rlray.groups import group_key, split_uniform_groups
+from rlray.core.episode import Episode
+from rlray.core.evaluation import EvalEpisodes, EvalSample
+from rlray.core.groups import group_key, split_uniform_groups
+from rlray.core.stats import ScoreStats
+from rlray.data.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.rewards.loading import scheduled_weight
 from rlray.rewards.process import RewardCallError, RewardProcess
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScoreStats:
-    """Small summary of one scoring call, sent to the driver instead of the episodes."""
-
-    worker: str
-    episodes: int
-    reward_sum: float
-    seconds: float
-    failures: dict[str, int] = field(default_factory=dict)
-    """Episodes each component failed on."""
-    dropped: int = 0
-    """Episodes left without a reward (not trained on) under on_failure=drop_episode."""
-    uniform_groups: int = 0
-    """Groups split off because all their samples got the same reward (dynamic sampling)."""
-    uniform_episodes: int = 0
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""Calls with timeouts: every remote wait of the driver and the learner, and what a dead
+or stuck actor turns into (an `ActorFailure` that names it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    ObjectLostError,
+    RayActorError,
+    RayTaskError,
+)
+
+from rlray.core.episode import Episode
+
+
+class ActorFailure(RuntimeError):
+    """A remote call failed or timed out; the message names the actor and its last error.
+    `died` is True when the actor's process (or node) died, False for an error raised by
+    the call or a timeout; `actor_id` is the dead actor's id where Ray names it (it can be
+    another actor than the one called: the one that made the call's argument)."""
+
+    def __init__(
+        self,
+        message: str,
+        died: bool = False,
+        actor_id: str | None = None,
+        restarting: bool = False,
+        lost: bool = False,
+    ):
+        super().__init__(message)
+        self.died = died
+        self.actor_id = actor_id
+        self.restarting = restarting
+        """Ray is restarting the actor (it answers once it is up again)."""
+        self.lost = lost
+        """An object the call needed was lost with its node: make it again, then retry."""
+
+
+class ActorRestarted(RuntimeError):
+    """Raised by a restarted actor whose state its caller must restore first (a rollout
+    worker's weights, the buffer's batches): a restart between two calls is otherwise
+    invisible to the caller."""
+
+
+def _restarted() -> bool:
+    with warnings.catch_warnings():  # Ray's own property reads a deprecated one
+        warnings.simplefilter("ignore")
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
+    """Returns ray.get(ref) within timeout_s, or raises ActorFailure naming the actor."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        raise ActorFailure(f"{actor}: no answer to {what} within {timeout_s:.0f} s") from None
+    except RayTaskError as err:
+        message = f"{actor}: {what} failed: {_last_line(err)}"
+        if isinstance(err.cause, RayActorError):  # the actor that made an argument died
+            raise ActorFailure(message, died=True, actor_id=err.cause.actor_id) from err
+        restarted = isinstance(err.cause, ActorRestarted)
+        raise ActorFailure(message, died=restarted) from err
+    except RayActorError as err:
+        message = f"{actor} died during {what}: {_last_line(err)}"
+        restarting = isinstance(err, ActorUnavailableError)
+        raise ActorFailure(message, True, err.actor_id, restarting) from err
+    except ObjectLostError as err:
+        message = f"{actor}: {what} lost its input with a node: {_last_line(err)}"
+        raise ActorFailure(message, died=True, lost=True) from err
+
+
+def _last_line(err: Exception) -> str:
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(cause, (RayTaskError, RayActorError)):
+        return f"{type(cause).__name__}: {cause}"
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
+def resolve_episodes(batch_refs: Sequence[list[Any]], timeout_s: float) -> list[Episode]:
+    """Returns the episodes behind buffered references ([ref] each), fetched here."""
+    batches = ray.get([box[0] for box in batch_refs], timeout=timeout_s)
+    return [episode for batch in batches for episode in batch]

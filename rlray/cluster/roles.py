@@ -1,0 +1,249 @@
+"""The Ray faces of the rollout, reward, buffer, store and ingestion roles.
+
+`RolloutWorker`, `RewardWorker`, `EpisodeBuffer`, `EpisodeStore` and the ingestion
+service are plain classes; each face here adds only what needs Ray: fetching episode
+references from the object store, Ray metrics for the dashboard, and refusing calls
+after a restart until the caller restored what the actor held. rlray.cluster.start
+starts them as named actors; the learners' faces are in rlray.cluster.learners.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from aiohttp import web
+
+from rlray.cluster.calls import ActorRestarted, _restarted, resolve_episodes
+from rlray.cluster.telemetry import Telemetry
+from rlray.config import IngestConfig, StoreConfig
+from rlray.core.episode import Episode, ModelLimits
+from rlray.core.evaluation import EvalEpisodes
+from rlray.core.prompt import PromptRow
+from rlray.core.stats import EvalResult, ScoreStats, StoreStats
+from rlray.data.models import load_tokenizer
+from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
+from rlray.episodes.ingest import EXTERNAL_POLICY_VERSION, IngestService, TokenIds, make_app
+from rlray.episodes.store import mark_trained, open_store
+from rlray.rewards.worker import RewardWorker
+from rlray.rollout.worker import RolloutWorker
+
+if TYPE_CHECKING:
+    from rlray.weights.packing import PackedWeights
+
+
+class RolloutActor(RolloutWorker):
+    """The RolloutWorker; weights arrive as packed byte arrays from the object store.
+    Restarted by Ray, it holds the base model again: where a learner's weights are what
+    it should hold (`awaits_weights`), it refuses to generate until it loaded them."""
+
+    def __init__(self, *args: Any, awaits_weights: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(self.run_id, self.name)
+        self.telemetry.set("rlray_policy_version", self.policy_version)
+        self.awaiting_weights = awaits_weights and _restarted()
+
+    def _check_weights(self) -> None:
+        if self.awaiting_weights:
+            raise ActorRestarted(f"{self.name} was restarted and has not loaded weights since")
+
+    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
+        self._check_weights()
+        episodes, stats = super().generate(rows, first_prompt_index)
+        self.telemetry.set(
+            "rlray_rollout_tokens_per_second", stats.completion_tokens / stats.seconds
+        )
+        self.telemetry.add("rlray_episodes_generated", stats.episodes)
+        return episodes, stats
+
+    def eval_episodes(
+        self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
+    ) -> tuple[EvalEpisodes, EvalResult]:
+        self._check_weights()
+        episodes, result = super().eval_episodes(rows, samples, temperature, examples)
+        if result.accuracy is not None:
+            self.telemetry.set("rlray_eval_accuracy", result.accuracy)
+        return episodes, result
+
+    def finish_weight_update(self, version: int) -> None:
+        super().finish_weight_update(version)
+        self.awaiting_weights = False
+        self.telemetry.set("rlray_policy_version", self.policy_version)
+
+    def load_published(self, published: tuple[int, PackedWeights]) -> tuple[int, float]:
+        """Loads a published (version, weights) pair in place; returns the version now
+        held and the seconds it took."""
+        # torch loads in the rollout actor only (the driver imports this module)
+        from rlray.weights.packing import unpack_weights, weights_for_vllm
+
+        version, packed = published
+        architecture = self.llm.model_config.architecture
+        weights = weights_for_vllm(unpack_weights(packed), packed.tied_output, architecture)
+        seconds = self.load_weights(version, weights)
+        self.awaiting_weights = False
+        self.telemetry.set("rlray_policy_version", self.policy_version)
+        return self.policy_version, seconds
+
+
+class RewardActor(RewardWorker):
+    """The RewardWorker, counting what it scores for the dashboard."""
+
+    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(run_id, self.name)
+
+    def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
+        scored, stats = super().score(episodes, step)
+        self.telemetry.add("rlray_episodes_scored", stats.episodes)
+        return scored, stats
+
+    def score_and_split(self, episodes: list[Episode], step: int = 0) -> Any:
+        kept, uniform, stats = super().score_and_split(episodes, step)
+        self.telemetry.add("rlray_uniform_groups_dropped", stats.uniform_groups)
+        return kept, uniform, stats
+
+
+class BufferActor(EpisodeBuffer):
+    """The EpisodeBuffer, reporting depth, stale drops and staleness for the dashboard.
+    Restarted by Ray, it refuses every call but `restore` until its producer restored it."""
+
+    def __init__(self, run_id: str, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.telemetry = Telemetry(run_id)
+        self.telemetry.set("rlray_dropped_stale", 0)
+        self.telemetry.set("rlray_buffer_depth", 0)
+        self.awaiting_restore = _restarted()
+
+    def _check_restored(self) -> None:
+        if self.awaiting_restore:
+            raise ActorRestarted("buffer was restarted and has not been restored since")
+
+    def restore(self, batches: list[BufferedBatch], reserved_episodes: int) -> None:
+        super().restore(batches, reserved_episodes)
+        self.awaiting_restore = False
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+
+    def reserve(self, num_episodes: int) -> bool:
+        self._check_restored()
+        return super().reserve(num_episodes)
+
+    def stats(self) -> dict[str, int]:
+        self._check_restored()
+        return super().stats()
+
+    def drain(self) -> list[BufferedBatch]:
+        self._check_restored()
+        return super().drain()
+
+    def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
+        self._check_restored()
+        super().add(batch, reserved)
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+
+    def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
+        self._check_restored()
+        taken = super().take(num_episodes, learner_version)
+        self.telemetry.set("rlray_dropped_stale", self.dropped_stale_episodes)
+        self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
+        for batch in taken.batches if taken else []:
+            if not batch.external:
+                staleness = learner_version - batch.policy_version
+                self.telemetry.observe("rlray_staleness", staleness, batch.num_episodes)
+        return taken
+
+
+class StoreActor:
+    """The run's EpisodeStore in its own process; it fetches episode batches from the
+    object store itself, so they never pass through the driver."""
+
+    def __init__(self, config: StoreConfig, run_dir: str, run_id: str):
+        self.store = open_store(config, Path(run_dir), run_id)
+        self.upload_timeout_s = config.upload_timeout_s
+
+    def append_batches(
+        self,
+        batch_refs: list[list[Any]],
+        trained_at: float | None,
+        timeout_s: float,
+        key: str | None = None,
+    ) -> int:
+        """Stores the referenced batches (trained_at None: never trained on) as the append
+        `key` (a retry with the same key stores nothing); returns how many episodes were
+        added."""
+        episodes = mark_trained(resolve_episodes(batch_refs, timeout_s), trained_at)
+        return self.store.append(episodes, key)
+
+    def append_episodes(self, episodes: list[Episode], key: str | None = None) -> int:
+        """Stores episodes given by value (the ingestion endpoint's); returns the count."""
+        return self.store.append(episodes, key)
+
+    def close(self) -> tuple[StoreStats, list[str]]:
+        """Writes what is buffered, waits for uploads; returns stats and the files left
+        in the upload spool."""
+        left = self.store.close(self.upload_timeout_s)
+        return self.store.stats(), [str(path) for path in left]
+
+    def stats(self) -> StoreStats:
+        return self.store.stats()
+
+
+class IngestActor:
+    """The ingestion endpoint (rlray.episodes.ingest) in its own async actor: posted
+    episodes are scored by the run's reward actors, stored by its store and, with
+    ingest.train, queued in its buffer."""
+
+    def __init__(
+        self,
+        config: IngestConfig,
+        token: str,
+        model_path: str,
+        rewards: list[Any],
+        store: Any,
+        buffer: Any = None,
+        limits: ModelLimits | None = None,
+    ):
+        self.config = config
+        self.rewards, self.store, self.buffer = rewards, store, buffer
+        self.step = 0
+        self.next_reward = 0
+        enqueue = self._enqueue if config.train and buffer is not None else None
+        tokenize = TokenIds(load_tokenizer(model_path)) if config.train else None
+        self.service = IngestService(token, self._score, self._store, enqueue, limits, tokenize)
+
+    async def start(self) -> str:
+        """Starts serving; returns the endpoint's URL."""
+        app = make_app(self.service, self.config.max_body_bytes)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.config.host, self.config.port).start()
+        return f"http://{self.config.host}:{self.config.port}/v1/episodes"
+
+    def set_step(self, step: int) -> None:
+        """The learner step whose reward weights score posted episodes."""
+        self.step = step
+
+    async def _score(self, episodes: list[Episode]) -> list[Episode]:
+        reward = self.rewards[self.next_reward % len(self.rewards)]
+        self.next_reward += 1
+        scored, _ = await reward.score.remote(episodes, self.step)
+        return scored
+
+    async def _store(self, episodes: list[Episode]) -> None:
+        await self.store.append_episodes.remote(episodes)
+
+    async def _enqueue(self, episodes: list[Episode]) -> set[str]:
+        """Queues posted episodes for training if the buffer has room; returns their ids."""
+        trainable = [e for e in episodes if e.reward is not None]
+        if not trainable or not await self.buffer.reserve.remote(len(trainable)):
+            return set()
+        batch = BufferedBatch(
+            ref=[ray.put(trainable)],
+            policy_version=EXTERNAL_POLICY_VERSION,
+            num_episodes=len(trainable),
+            first_prompt_index=-1,
+            batch_id=-1,
+            external=True,
+        )
+        await self.buffer.add.remote(batch)
+        return {e.episode_id for e in trainable}

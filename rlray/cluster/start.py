@@ -1,0 +1,347 @@
+"""Starting a run's actors: placement groups reserved per role, named actors started in
+them, each waited for with a timeout; where each runs, and how to stop them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlray.cluster.calls import ActorFailure, wait_for
+from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
+from rlray.cluster.placement import Placement, role_resources
+from rlray.cluster.roles import BufferActor, IngestActor, RewardActor, RolloutActor, StoreActor
+from rlray.config import Config, ingest_token, weight_sync
+from rlray.core.checkpoints import checkpoint_version
+from rlray.data.models import model_limits
+from rlray.rollout.worker import vllm_env
+
+
+@dataclass
+class Actors:
+    """Handles of one run's actors, by role, with their names. A collect-only run has no
+    buffer and no learner."""
+
+    rollout: list[Any]
+    rollout_names: list[str]
+    reward: list[Any]
+    reward_names: list[str]
+    store: Any
+    buffer: Any = None
+    learner: LearnerGroup | None = None
+    ingest: Any = None
+    placement: Placement | None = None
+
+    def handle(self, name: str) -> Any:
+        """Returns the handle of the actor called `name`."""
+        return dict(self.all())[name]
+
+    def name_of(self, actor_id: str | None) -> str | None:
+        """Returns the name of the actor with this (hex) id, None if not one of ours."""
+        ids = {handle._actor_id.hex(): name for name, handle in self.all()}
+        return ids.get(actor_id) if actor_id else None
+
+    def all(self) -> list[tuple[str, Any]]:
+        """Returns (name, handle) of every actor."""
+        singles = [("store", self.store), ("buffer", self.buffer), ("ingest", self.ingest)]
+        learners = self.learner or LearnerGroup([])
+        return [
+            *zip(self.rollout_names, self.rollout, strict=True),
+            *zip(self.reward_names, self.reward, strict=True),
+            *((name, handle) for name, handle in singles if handle is not None),
+            *zip(learners.names, learners.handles, strict=True),
+        ]
+
+    def kill(self) -> None:
+        """Stops every actor (their names become free for the next run) and gives their
+        placement groups back."""
+        for _, handle in self.all():
+            ray.kill(handle, no_restart=True)
+        if self.placement is not None:
+            self.placement.release()
+        _wait_until_names_free([name for name, _ in self.all()], timeout_s=60)
+
+
+def _wait_until_names_free(names: list[str], timeout_s: float) -> None:
+    """Waits until killed actors' names can be taken again (a run that resumes in the
+    same job starts actors with the same names)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            time.sleep(0.2)
+
+
+def connect(address: str, num_cpus: int) -> None:
+    """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
+    starts a new single-node Ray for this job, even if a `ray start` cluster runs here."""
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS", "")
+    if target:
+        _send_auth_token_if_any()
+        ray.init(address=target)
+    else:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+
+
+def _send_auth_token_if_any() -> None:
+    # `ray start` turns token authentication on when ~/.ray/auth_token exists, but a
+    # client joining with ray.init(address=...) sends the token only in token mode
+    # (Ray 2.60): without this, joining fails with "InvalidAuthToken". This is what
+    # `ray start` itself calls; it also refreshes Ray's cached config.
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def required_cpus(config: Config) -> float:
+    """Returns the logical CPUs the run's actors reserve."""
+    return (
+        config.rollout.num_workers * config.rollout.cpus_per_worker
+        + config.reward.num_workers * config.reward.cpus_per_worker
+        + config.learner.num_workers * config.learner.cpus
+    )
+
+
+def start_actors(
+    config: Config,
+    model_path: str,
+    run_id: str,
+    checkpoint: str | None = None,
+    train: bool = True,
+) -> Actors:
+    """Reserves each role's placement group, starts a run's actors in them (without
+    buffer and learner when not `train`) and waits, with a timeout, until each is up."""
+    timeout = config.ray.actor_start_timeout_s
+    placement = Placement(run_id)
+    roles = role_resources(config)
+    for role in ("rollout", "reward", "learner") if train else ("rollout", "reward"):
+        problem = placement.reserve(roles[role], timeout)
+        if problem:
+            placement.release()
+            raise ActorFailure(problem)
+    rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
+    reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
+    actors = Actors(
+        rollout=_start_rollout_workers(
+            config, rollout_names, model_path, run_id, checkpoint, placement, awaits_weights=train
+        ),
+        rollout_names=rollout_names,
+        reward=[
+            _start_reward_worker(config, name, run_id, placement.actor_options("reward", i))
+            for i, name in enumerate(reward_names)
+        ],
+        reward_names=reward_names,
+        store=ray.remote(StoreActor)
+        .options(
+            name="store",
+            num_cpus=0,
+            max_restarts=config.ray.max_actor_restarts,
+            # Beside the driver: it writes into the run directory (the driver's disk),
+            # and a restarted store must find its journal there.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            ),
+        )
+        .remote(config.store, config.run_dir, run_id),
+        placement=placement,
+    )
+    if train:
+        actors.buffer = (
+            ray.remote(BufferActor)
+            .options(name="buffer", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
+            .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
+        )
+        actors.learner = _start_learners(config, model_path, run_id, checkpoint, placement)
+    try:
+        for name, handle in actors.all():
+            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
+        if actors.learner is not None:
+            _set_up_learners(actors.learner, timeout)
+    except ActorFailure:
+        actors.kill()
+        raise
+    return actors
+
+
+def _start_rollout_workers(
+    config: Config,
+    names: list[str],
+    model_path: str,
+    run_id: str,
+    checkpoint: str | None,
+    placement: Placement,
+    awaits_weights: bool = True,
+) -> list[Any]:
+    # Rollout workers start from the run's base model; a resumed run's checkpoint weights
+    # reach them with the first weight sync, so the checkpoint need not be on their node.
+    rollout_model = _model_for_actors(config, model_path)
+    version = checkpoint_version(checkpoint) if checkpoint else 0
+    env = {"env_vars": vllm_env(config.rollout)}
+    rollout = replace(config.rollout, weight_sync=weight_sync(config))
+    return [
+        ray.remote(RolloutActor)
+        .options(
+            name=name,
+            runtime_env=env,
+            max_restarts=config.ray.max_actor_restarts,
+            **placement.actor_options("rollout", i),
+        )
+        .remote(
+            name,
+            rollout_model,
+            config.model,
+            rollout,
+            run_id,
+            config.seed + i,
+            version,
+            awaits_weights=awaits_weights,
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) -> Any:
+    reward = config.reward
+    return (
+        ray.remote(RewardActor)
+        .options(name=name, max_restarts=config.ray.max_actor_restarts, **options)
+        .remote(
+            run_id,
+            name,
+            reward.functions,
+            reward.on_failure,
+            reward.batch_size,
+            eval_specs=config.eval.rewards,
+        )
+    )
+
+
+def _start_learners(
+    config: Config, model_path: str, run_id: str, checkpoint: str | None, placement: Placement
+) -> LearnerGroup:
+    device = "cuda" if config.learner.gpus > 0 else "cpu"
+    count = config.learner.num_workers
+    group = LearnerGroup([])
+    for rank, name in enumerate(learner_names(count)):
+        handle = (
+            ray.remote(LearnerActor)
+            .options(name=name, **placement.actor_options("learner", rank))
+            .remote(
+                run_id,
+                rank,
+                count,
+                _model_for_actors(config, model_path),
+                config.model,
+                config.algorithm,
+                config.learner,
+                max_new_tokens=config.completion_budget,
+                samples_per_prompt=config.rollout.samples_per_prompt,
+                temperature=config.rollout.temperature,
+                seed=config.seed,
+                device=device,
+                checkpoint=checkpoint,
+            )
+        )
+        group.handles.append(handle)
+    return group
+
+
+def start_preference_learners(
+    config: Config, model_path: str, run_id: str, evaluator: bool
+) -> Actors:
+    """Reserves placement for jobs/dpo.py's learner group (and, if `evaluator`, one
+    rollout actor, `eval`, for its greedy evaluations), starts them and waits, with a
+    timeout, until each learner has joined the group and built its models."""
+    timeout = config.ray.actor_start_timeout_s
+    placement = Placement(run_id)
+    roles = role_resources(config)
+    wanted = [roles["learner"]] + ([replace(roles["rollout"], count=1)] if evaluator else [])
+    for resources in wanted:
+        problem = placement.reserve(resources, timeout)
+        if problem:
+            placement.release()
+            raise ActorFailure(problem)
+    device = "cuda" if config.learner.gpus > 0 else "cpu"
+    count, model = config.learner.num_workers, _model_for_actors(config, model_path)
+    group = LearnerGroup(
+        [
+            ray.remote(PreferenceActor)
+            .options(name=name, **placement.actor_options("learner", rank))
+            .remote(rank, count, config, model, device)
+            for rank, name in enumerate(learner_names(count))
+        ]
+    )
+    names = ["eval"] if evaluator else []
+    rollout = _start_rollout_workers(config, names, model_path, run_id, None, placement)
+    actors = Actors(rollout, names, [], [], None, learner=group, placement=placement)
+    try:
+        for name, handle in actors.all():
+            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
+        _set_up_learners(group, timeout)
+    except ActorFailure:
+        actors.kill()
+        raise
+    return actors
+
+
+def _set_up_learners(group: LearnerGroup, timeout_s: float) -> None:
+    """Has every learner join the group at rank 0's address and build its Learner."""
+    address, port = wait_for(group.handles[0].rendezvous.remote(), "learner", "start-up", timeout_s)
+    refs = [handle.setup.remote(address, port, timeout_s) for handle in group.handles]
+    for name, ref in zip(group.names, refs, strict=True):
+        wait_for(ref, name, "start-up", timeout_s)
+
+
+def _model_for_actors(config: Config, model_path: str) -> str:
+    """Returns the model actors load: a built-in one by name (each node builds or finds
+    it in its own cache), any other by the path or hub name the driver checked."""
+    return config.model.path if config.model.path.startswith("builtin:") else model_path
+
+
+def actor_processes(actors: Actors, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Returns {actor name: {"node": node id, "pid": process id}} (what placement.json
+    records: where each actor runs, and which process to look at, or kill in a test)."""
+
+    def process_of(_: Any) -> dict[str, Any]:
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    refs = {name: handle.__ray_call__.remote(process_of) for name, handle in actors.all()}
+    return {name: wait_for(ref, name, "process lookup", timeout_s) for name, ref in refs.items()}
+
+
+def local_pids(processes: dict[str, dict[str, Any]]) -> list[int]:
+    """Returns the process ids of the actors that run on the caller's node."""
+    here = ray.get_runtime_context().get_node_id()
+    return [p["pid"] for p in processes.values() if p["node"] == here]
+
+
+def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: float) -> str:
+    """Starts the ingestion endpoint as the `ingest` actor; returns its URL."""
+    token = ingest_token(config.ingest)
+    limits = model_limits(model_path, config.model.max_model_len)  # checked in plan_run
+    actors.ingest = (
+        ray.remote(IngestActor)
+        .options(name="ingest", num_cpus=0, max_concurrency=64)
+        .remote(
+            config.ingest,
+            token,
+            model_path,
+            actors.reward,
+            actors.store,
+            actors.buffer,
+            limits,
+        )
+    )
+    return wait_for(actors.ingest.start.remote(), "ingest", "start-up", timeout_s)

@@ -1,0 +1,598 @@
+"""The one typed config: dataclasses with a docstring per field.
+
+`python jobs/ppo.py --help` prints every field below with its docstring (parsed by
+rlray.config.command_line); a YAML file (`--config`) uses the same nesting
+(`algorithm: {advantage: grpo}`). A number's range stands beside its field
+(`positive(64)`); rlray.config.checks checks ranges and the rules that tie fields
+together, naming the bad field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlray.algorithms.estimators import ESTIMATORS
+from rlray.algorithms.losses import POLICY_LOSSES
+
+BUILTIN_MODEL = "builtin:tiny-arithmetic"
+BUILTIN_DATA = "builtin:arithmetic"
+# The multi-turn calculator task (rlray.data.calculator; examples/calculator.yaml).
+BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
+BUILTIN_MULTIPLICATION = "builtin:multiplication"
+BUILTIN_CALCULATOR = "builtin:calculator"
+
+# Every set of choices is defined once, here; --help lists them and parsing checks them.
+Dtype = Literal["float32", "bfloat16"]
+PlacementStrategy = Literal["SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK"]
+OnFailure = Literal["skip_component", "drop_episode"]
+Interpolation = Literal["linear", "step"]
+WandbMode = Literal["", "online", "offline", "disabled"]
+# The registries' names (rlray/algorithms/estimators.py and losses.py): adding an estimator
+# or a policy loss there adds it here.
+Advantage = Literal[tuple(ESTIMATORS)]
+PolicyLoss = Literal[tuple(POLICY_LOSSES)]
+LossAggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+KLEstimator = Literal["k1", "k2", "k3"]
+WeightSync = Literal["auto", "object_store", "nccl", "gloo"]
+KLMode = Literal["reward", "loss"]
+PreferenceLoss = Literal["sigmoid", "ipo"]
+RolloutCorrection = Literal["token", "sequence", "off"]
+
+
+# ---------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """Where a number field's values may lie (a dict field's: each of its values); None
+    (an unset optional field) is always allowed."""
+
+    low: float
+    low_open: bool = False
+    """True: values must be > low; False: >= low."""
+    high: float | None = None
+    why: str = ""
+    """Why the bound is there, said after it in the error."""
+
+    def problem(self, value: float) -> str | None:
+        """Returns what the value breaks ("must be > 0, got -1"), or None."""
+        why = f" ({self.why})" if self.why else ""
+        if self.high is not None and not self.low_open:  # a closed interval
+            if self.low <= value <= self.high:
+                return None
+            return f"must be in [{self.low:g}, {self.high:g}], got {value}"
+        if value < self.low or (self.low_open and value == self.low):
+            sign = ">" if self.low_open else ">="
+            return f"must be {sign} {self.low:g}{'' if self.high else why}, got {value}"
+        if self.high is not None and value > self.high:
+            return f"must be <= {self.high}{why}, got {value}"
+        return None
+
+
+def positive(default: Any, *, at_most: float | None = None, why: str = "") -> Any:
+    """A field whose value must be > 0 (and <= at_most, if given)."""
+    return field(default=default, metadata={"range": Range(0, True, at_most, why)})
+
+
+def non_negative(default: Any = None, *, why: str = "", factory: Any = None) -> Any:
+    """A field whose value (a dict's: each value) must be >= 0."""
+    metadata = {"range": Range(0, why=why)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def fraction(default: float) -> Any:
+    """A field whose value must lie in [0, 1]."""
+    return field(default=default, metadata={"range": Range(0, high=1)})
+
+
+# ---------------------------------------------------------------- the sections
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line naming the field or file."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (PEFT): the learner trains low-rank adapters on the frozen base model
+    and the rollout workers get the merged weights."""
+
+    rank: int = non_negative(0, why="0 is off")
+    """Adapter rank r; 0 (the default) trains every weight. With r > 0 only the adapters
+    train (AdamW state for them alone); the KL reference is the same model with its
+    adapters disabled, so no second copy is held. Adapter dropout is 0, like every other
+    dropout: the ratio of two forward passes must not be noise."""
+    alpha: float = 16.0
+    """Adapter scale numerator: a layer computes W x + (alpha / rank) B A x."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj];
+    [all-linear] is every linear layer but the output embedding."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: where its weights come from, their dtype, its context window."""
+
+    path: str = BUILTIN_MODEL
+    """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
+    that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
+    and warm-started on the arithmetic task on first use, then cached
+    (builtin:tiny-calculator: the same, warm-started on the calculator task)."""
+    dtype: Dtype = "float32"
+    """Compute dtype of rollouts and learner: float32, or bfloat16 (vLLM runs in bfloat16;
+    the learner keeps float32 master weights and optimizer state and computes under
+    bfloat16 autocast). float16 is not offered: training in it needs loss scaling, and
+    bfloat16 has float32's range at the same cost."""
+    max_model_len: int = positive(64)
+    """Context window in tokens (prompt + completion) given to vLLM."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters; off unless lora.rank > 0."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts: the training set and the held-out evaluation set."""
+
+    train: str = BUILTIN_DATA
+    """Training prompts: builtin:arithmetic, builtin:multiplication (two-digit a*b, the
+    calculator task's), or a JSONL file with a "prompt" field per line; other fields
+    (e.g. "answer") reach the reward functions as columns."""
+    eval: str = BUILTIN_DATA
+    """Held-out prompts for greedy evaluation: builtin:arithmetic or
+    builtin:multiplication (pairs disjoint from training) or a JSONL file with "prompt"
+    and "answer" fields. Scored by exact match, or with rollout.environment by the
+    environment's reward."""
+    eval_size: int = positive(200)
+    """How many held-out prompts each evaluation uses."""
+    arithmetic_digits: int = positive(2)
+    """Operand digits of the built-in arithmetic task (a+b with a, b < 10**digits)."""
+    shuffle: bool = True
+    """Reshuffle training prompts every pass (seeded); false keeps file order."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout actors: vLLM engines that sample completions."""
+
+    num_workers: int = positive(1)
+    """Rollout actors, each with its own vLLM engine."""
+    prompts_per_batch: int = positive(64)
+    """Prompts in one generate call; a rollout batch is prompts x samples episodes."""
+    samples_per_prompt: int = positive(4)
+    """Completions sampled per prompt."""
+    max_new_tokens: int = positive(6)
+    """Completion length limit in tokens."""
+    min_new_tokens: int = non_negative(0)
+    """Completions may not end (end-of-sequence is masked) before this many tokens, as in
+    vLLM's min_tokens. The learner scores the unmasked policy, so the rollout-learner
+    logprob gap grows; meant for throughput measurements with random-weight models."""
+    temperature: float = positive(1.0, why="RL needs sampled episodes")
+    """Sampling temperature (the learner scores tokens at the same temperature)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (vLLM's SamplingParams.stop), in generation and evaluation: a
+    completion ends where one appears. Its text leaves the stop string out; its token ids
+    keep every sampled token, so the learner trains on what was sampled."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion besides end-of-sequence (vLLM's
+    SamplingParams.stop_token_ids), kept as its last token, e.g. a chat model's
+    end-of-turn token where its config names another EOS."""
+    kv_cache_gib: int = non_negative(0)
+    """KV-cache size per worker in GiB on vLLM's CPU backend; 0 sizes it to the job:
+    every sequence of a rollout batch at model.max_model_len tokens. Ignored on GPU
+    (see gpu_memory_utilization)."""
+    gpu_memory_utilization: float = positive(0.5, at_most=1.0, why="a share")
+    """Share of GPU memory a GPU rollout worker's vLLM engine may take."""
+    enforce_eager: bool = True
+    """Skip vLLM graph compilation (on CPU it costs ~20 s at start for no speed-up)."""
+    cpus_per_worker: float = non_negative(1.0)
+    """CPUs reserved per rollout actor."""
+    gpus_per_worker: float = non_negative(0.0)
+    """GPUs reserved per rollout actor (0 = vLLM CPU build)."""
+    tensor_parallel_size: int = positive(1)
+    """GPUs one rollout worker's vLLM engine spans (tensor parallelism, through vLLM's
+    Ray executor). Above 1 each rollout worker gets a placement group of its own, one
+    GPU bundle per rank, all on one node (STRICT_PACK); gpus_per_worker must equal it."""
+    weight_sync: WeightSync = "auto"
+    """How the learner's weights reach the rollout workers after a step. object_store:
+    the learner publishes them as one object that every worker loads (any devices; also
+    what a restarted worker loads). nccl: vLLM's weight-transfer engine broadcasts them
+    from the learner's GPU into every worker's engine, tensor by tensor. gloo: the same
+    engine over a gloo group, on CPU. auto: nccl when the learner (learner.gpus) and the
+    rollout workers (gpus_per_worker) have GPUs, else object_store."""
+    resources: dict[str, float] = non_negative(factory=dict)
+    """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
+    nodes started with `ray start --resources '{"rollout_node": 4}'`."""
+    placement_strategy: PlacementStrategy = "SPREAD"
+    """Placement group strategy of the rollout actors' bundles: SPREAD, STRICT_SPREAD
+    (each on its own node), PACK or STRICT_PACK."""
+    environment: str = ""
+    """Multi-turn episodes: "" for one model call per episode; builtin:calculator (the
+    calculator task), or your own class as "mypkg.envs:Env" or "path/to/file.py:Env",
+    built once per trajectory: reset(row) -> str, step(text) -> a result with
+    observation, reward and done (rlray.rollout.multiturn). Turns are token in, token out."""
+    max_turns: int = positive(4)
+    """Model turns per multi-turn episode at most (with rollout.environment)."""
+    max_completion_tokens: int = non_negative(0)
+    """Token budget of a multi-turn episode: every turn and observation together; 0 is
+    max_new_tokens x max_turns. Prompt plus budget must fit model.max_model_len."""
+
+    @property
+    def turn_budget(self) -> int:
+        """Returns a multi-turn episode's token budget (max_completion_tokens, or its
+        default: max_new_tokens x max_turns)."""
+        return self.max_completion_tokens or self.max_new_tokens * self.max_turns
+
+
+@dataclass
+class RewardSpec:
+    """One reward component (an item of reward.functions)."""
+
+    name: str = "exact_match"
+    """A built-in reward name (docs/rewards.md lists them), or an import path to your own:
+    "mypkg.rewards:fn" or "path/to/file.py:fn"."""
+    weight: float = 1.0
+    """Weight of this component in the total reward (used when there is no schedule)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the reward: passed on every call to a function, or once to
+    a class's constructor (model-based rewards load their model there)."""
+    schedule: list[list[float]] = field(default_factory=list)
+    """Weight over training steps as [[step, weight], ...] points; empty keeps `weight`
+    constant. Before the first point its weight holds, after the last the last's."""
+    interpolation: Interpolation = "linear"
+    """Between schedule points: linear (ramps) or step (each point's weight holds until
+    the next point: piecewise constant)."""
+    timeout_s: float = positive(60.0)
+    """Longest one call of this reward on a scoring batch; past it the component fails
+    for that batch's episodes."""
+
+
+@dataclass
+class RewardConfig:
+    """Reward actors and the reward components they score with."""
+
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    """Reward components f(prompts, completions, **columns) -> list[float | None]; the
+    total is their weighted sum. On the command line, a YAML list:
+    '[{name: exact_match, weight: 1.0}]'; `--reward.functions.help RewardSpec` lists the
+    fields of an item."""
+    on_failure: OnFailure = "skip_component"
+    """When a component raises, times out or gives NaN/None for an episode:
+    skip_component (total from the other components) or drop_episode (not trained on).
+    Either way it is counted and the first error of each reward is logged once."""
+    batch_size: int = positive(64)
+    """Episodes per call of a reward function (a rollout batch is scored in such pieces)."""
+    num_workers: int = positive(1)
+    """Reward-scoring actors; rollout batches go to them in turn."""
+    cpus_per_worker: float = non_negative(0.5)
+    """CPUs reserved per reward actor."""
+    resources: dict[str, float] = non_negative(factory=dict)
+    """Custom Ray resources per reward actor."""
+    placement_strategy: PlacementStrategy = "PACK"
+    """Placement group strategy of the reward actors' bundles."""
+
+
+@dataclass
+class BufferConfig:
+    """The episode buffer between rollouts and the learner."""
+
+    capacity_episodes: int = positive(1024)
+    """Most episodes the buffer holds; producers wait while it is full."""
+    max_staleness: int = non_negative(1)
+    """Drop episodes made by a policy more than this many learner updates behind the
+    learner. 0 is strictly on-policy; >= 1 lets generation overlap training, with the
+    rollout correction weighing stale tokens. The default 1 trained the default job in
+    30% less time to the same accuracy as 0 (3 seeds, BENCHMARKS.md)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantage estimator, policy loss, KL and corrections."""
+
+    advantage: Advantage = "reinforce_pp"
+    """Advantage estimator. Only those with a critic build one; the group estimators
+    compare the rollout.samples_per_prompt samples of each prompt. The default,
+    reinforce_pp, learned fastest on the default task (BENCHMARKS.md)."""
+    policy_loss: PolicyLoss = "ppo"
+    """Policy loss: the ratio of the learner's policy to the one before the update,
+    clipped to [1 - clip_low, 1 + clip_high], times the advantage."""
+    loss_aggregation: LossAggregation = "token_mean"
+    """How token losses become the loss: token_mean (every token alike), seq_mean_token_mean
+    (each sequence's token mean, averaged), seq_mean_token_sum (each sequence's token sum,
+    averaged) or seq_mean_token_sum_norm (token sum / (sequences x max_new_tokens), as
+    Dr. GRPO)."""
+    clip_low: float | None = positive(None)
+    """Lower clip offset of the ratio (1 - clip_low); null: the policy loss's own (cispo's
+    1.0 is no lower bound)."""
+    clip_high: float | None = positive(None)
+    """Upper clip offset of the ratio (1 + clip_high); null: the policy loss's own. DAPO's
+    clip-higher is ppo with clip_high 0.28."""
+    gamma: float = fraction(1.0)
+    """Discount factor of gae and reinforce_pp."""
+    lam: float = fraction(0.95)
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """gae only: normalise advantages to mean 0, std 1 over each step's tokens."""
+    vf_coef: float = non_negative(0.5)
+    """Weight of the value loss (gae)."""
+    value_clip: float = positive(0.2)
+    """Clip range of the value loss around the values before the update (gae)."""
+    kl_coef: float = non_negative(0.0)
+    """Weight of the KL penalty against the frozen reference model; 0 (the default) holds
+    no reference model."""
+    kl_estimator: KLEstimator = "k1"
+    """KL estimator: k1 (log ratio), k2 (half its square) or k3 (ratio - 1 - log ratio,
+    always >= 0); http://joschu.net/blog/kl-approx.html."""
+    kl_mode: KLMode = "reward"
+    """Where the KL penalty goes: reward (per-token reward penalty) or loss (a loss term;
+    needs k2 or k3: k1's gradient is zero in expectation)."""
+    entropy_coef: float = non_negative(0.0)
+    """Weight of the entropy bonus (0 builds no entropy graph)."""
+    drop_uniform_groups: bool = False
+    """DAPO dynamic sampling: leave out groups whose samples all got the same reward (they
+    teach a group estimator nothing) and generate more prompts to fill the step."""
+    mask_truncated: bool = False
+    """Leave completions cut off at rollout.max_new_tokens out of the loss."""
+    rollout_correction: RolloutCorrection = "token"
+    """Truncated importance sampling from vLLM's sampling policy to the learner's: token
+    (a weight per token), sequence (one weight per completion) or off."""
+    rollout_correction_clip: float = positive(2.0)
+    """Largest rollout-correction weight (truncation of pi_learner / pi_vllm)."""
+
+
+@dataclass
+class LearnerConfig:
+    """The learner actor: optimizer, batching, schedule of syncs, evals, checkpoints."""
+
+    steps: int = positive(150)
+    """Learner steps (policy updates of one batch of episodes) in the run."""
+    episodes_per_step: int = positive(256)
+    """Episodes in one learner step (a multiple of the rollout batch)."""
+    epochs: int = positive(2)
+    """Passes over each step's episodes."""
+    minibatch_size: int = positive(128)
+    """Episodes per optimizer update."""
+    micro_batch_size: int = positive(64)
+    """Episodes per forward/backward; gradients accumulate over a mini-batch."""
+    lr: float = positive(5e-5)
+    """AdamW learning rate of the policy."""
+    critic_lr: float = positive(1e-4)
+    """AdamW learning rate of the critic (value model; algorithm.advantage gae)."""
+    max_grad_norm: float = positive(1.0)
+    """Gradient clipping norm."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (less memory,
+    about a third more compute)."""
+    sync_every: int = positive(1)
+    """Publish weights to the rollout workers every this many learner steps."""
+    eval_every: int = positive(10)
+    """Evaluate held-out accuracy every this many steps (and at step 0 and the end)."""
+    checkpoint_every: int = positive(50)
+    """Save a checkpoint every this many steps (and at the end)."""
+    num_workers: int = positive(1)
+    """Learner actors: one process group (gloo on CPU, NCCL on GPU) over which the
+    models, gradients and optimizer state are sharded with FSDP2, each learner taking
+    its share of every batch's tokens. The run directory must be one every learner
+    sees (each writes its shard of a checkpoint)."""
+    cpus: float = non_negative(1.0)
+    """CPUs reserved for each learner actor."""
+    gpus: float = non_negative(0.0)
+    """GPUs reserved for each learner actor (0 = train on CPU)."""
+    resources: dict[str, float] = non_negative(factory=dict)
+    """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
+    its own."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation, scored by the run's reward functions.
+
+    At step 0, every learner.eval_every steps and at the end, each data.eval prompt's
+    greedy completion and eval.samples sampled ones are scored by reward.functions (or
+    eval.rewards); jobs/eval.py compares models the same way."""
+
+    samples: int = non_negative(0)
+    """Sampled completions per held-out prompt besides the greedy one, at
+    eval.temperature: the n of pass@k and mean@k (0: the greedy completion only)."""
+    temperature: float = 1.0
+    """Sampling temperature of those completions."""
+    pass_k: list[int] = field(default_factory=lambda: [1])
+    """The k of pass@k, each at most eval.samples (unused when samples is 0)."""
+    pass_threshold: float = 1.0
+    """Score at or above which a completion passes (greedy accuracy and pass@k)."""
+    rewards: list[RewardSpec] = field(default_factory=list)
+    """Reward components to evaluate with, as reward.functions; empty: reward.functions."""
+    best_metric: str = "reward/greedy_accuracy"
+    """The metric that picks the best checkpoint (checkpoints/best.json): "reward" (the
+    weighted total) or a component's name, then /greedy_accuracy, /mean or /pass@K;
+    empty: no best checkpoint is kept."""
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference learning: DPO or IPO updates of the policy on pairs of completions
+    (jobs/dpo.py), and reward models fit to the same pairs (jobs/reward_model.py).
+
+    data.train holds the pairs (JSONL: prompt, chosen, rejected, as TRL's preference
+    datasets), or builtin:arithmetic for built-in pairs (the correct sum chosen over a
+    wrong one). jobs/dpo.py takes model.*, learner.lr, learner.steps,
+    learner.micro_batch_size, learner.eval_every and learner.checkpoint_every as
+    jobs/ppo.py does; jobs/reward_model.py takes model.path (the trunk),
+    learner.micro_batch_size, learner.max_grad_norm and learner.eval_every, and its own
+    rate and length below."""
+
+    loss: PreferenceLoss = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta h); ipo: (h - 1/(2 beta))^2 over per-token mean
+    logprobs (h: the policy's log-ratio margin of chosen over rejected, against the
+    reference)."""
+    beta: float = positive(0.1)
+    """Strength of the pull toward the reference model (DPO's beta, IPO's tau)."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's label is wrong (conservative DPO), below 0.5; sigmoid
+    loss only."""
+    pairs_per_step: int = positive(64)
+    """Pairs in one update."""
+    reward_model_lr: float = positive(1e-3)
+    """jobs/reward_model.py's peak learning rate (falling along a cosine to 1% of it):
+    a fresh score head needs far more than a policy may take."""
+    reward_model_steps: int = positive(5000)
+    """jobs/reward_model.py's updates, one batch of pairs_per_step pairs each."""
+    reward_model_center: float = non_negative(0.01)
+    """Weight of the centring term of jobs/reward_model.py's loss, (r(chosen) +
+    r(rejected))^2, that keeps scores around 0 for every prompt (TRL's
+    center_rewards_coefficient); 0 for the Bradley-Terry loss alone."""
+    eval_pairs: int = positive(64)
+    """Pairs held out of data.train (the first after a seeded shuffle; with
+    builtin:arithmetic, pairs of the held-out prompts) for the held-out loss, margin and
+    implicit-reward accuracy."""
+
+
+@dataclass
+class StoreConfig:
+    """The episode store: every scored episode as Parquet, local or on S3."""
+
+    path: str = ""
+    """Where every episode goes: empty for <run_dir>/episodes, a local directory, or
+    s3://bucket/prefix (credentials from the standard AWS chain)."""
+    s3_endpoint_url: str = ""
+    """S3-compatible endpoint for an s3:// path (MinIO, moto); empty for AWS."""
+    presigned_url_service: str = ""
+    """Upload without credentials: an HTTP URL that answers GET <url>?key=<key> with a
+    pre-signed PUT URL for that key. Used instead of `path`'s S3 upload when set."""
+    rows_per_file: int = positive(2048)
+    """Episodes per Parquet file (files are written in batches, never one per episode)."""
+    flush_every_s: float = positive(60.0)
+    """Write a file at least this often while episodes are buffered."""
+    upload_timeout_s: float = positive(120.0)
+    """At the end of a run, how long to wait for uploads; files not uploaded by then stay
+    in the local spool (a warning names it) and upload on a later run or by hand."""
+
+
+@dataclass
+class IngestConfig:
+    """The HTTP endpoint that takes episodes made outside the job."""
+
+    enabled: bool = False
+    """Serve POST /v1/episodes (and GET /v1/health) while the job runs."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Anything but loopback needs a token."""
+    port: int = positive(8321, at_most=65535, why="a TCP port")
+    """Port to listen on."""
+    token: str = ""
+    """Bearer token clients must send; empty: the RLRAY_INGEST_TOKEN environment
+    variable, and without either only loopback is served, unauthenticated."""
+    max_body_bytes: int = positive(4_194_304)
+    """Largest request body; bigger ones get 413."""
+    train: bool = False
+    """Also queue posted episodes for training (off-policy data: they are trained on
+    with the learner's own logprobs as the behaviour policy and never dropped as stale)."""
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment tracking besides TensorBoard."""
+
+    wandb: bool = False
+    """Also log config, per-step metrics, reward breakdown and summary to Weights &
+    Biases (TensorBoard event files are always written under <run_dir>/tensorboard)."""
+    wandb_project: str = "rlray"
+    """wandb project name."""
+    wandb_mode: WandbMode = ""
+    """wandb mode: online, offline or disabled; empty leaves it to WANDB_MODE."""
+
+
+@dataclass
+class RayConfig:
+    """The Ray cluster and the timeouts of remote calls."""
+
+    address: str = ""
+    """Ray cluster to join. Empty: the cluster in RAY_ADDRESS (set by `ray job submit`)
+    if any, else a new local single-node Ray."""
+    num_cpus: int = non_negative(0)
+    """Logical CPUs of a new local Ray (0 = enough for the actors, at least this
+    machine's cores)."""
+    actor_start_timeout_s: float = positive(600.0)
+    """Longest wait for an actor to start (vLLM engine load included)."""
+    call_timeout_s: float = positive(600.0)
+    """Longest wait for any one remote call (generate, score, learner step, sync)."""
+    max_actor_restarts: int = non_negative(3)
+    """Times Ray restarts a dead rollout, reward, buffer or store actor; the batches it
+    held are regenerated, re-scored or restored, never lost or trained on twice."""
+    max_job_restarts: int = non_negative(2)
+    """Times the run resumes by itself from its last checkpoint after the learner (or
+    its node) dies, before it fails naming the learner."""
+
+
+@dataclass
+class Config:
+    """The one typed config of a run: run settings, then a section per part of the system."""
+
+    run_dir: str = ""
+    """Output directory; empty: runs/ppo-<date>-<time> under the working directory."""
+    seed: int = non_negative(0)
+    """Seed of prompt order, sampling and learner initialisation."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def completion_budget(self) -> int:
+        """Returns the most completion tokens an episode can have: max_new_tokens, or a
+        multi-turn episode's budget (turns and observations)."""
+        r = self.rollout
+        return r.turn_budget if r.environment else r.max_new_tokens
+
+    @property
+    def rollout_batch_episodes(self) -> int:
+        """Returns the number of episodes one generate call makes."""
+        return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """Returns the config as nested plain dicts (what config.yaml holds)."""
+    return dataclasses.asdict(config)
+
+
+def weight_sync(config: Config) -> str:
+    """Returns how weights reach the rollout workers: "object_store", "nccl" or "gloo"
+    (rollout.weight_sync with "auto" resolved)."""
+    chosen = config.rollout.weight_sync
+    if chosen != "auto":
+        return chosen
+    on_gpus = config.learner.gpus > 0 and config.rollout.gpus_per_worker > 0
+    return "nccl" if on_gpus else "object_store"
+
+
+def eval_rewards(config: Config) -> list[RewardSpec]:
+    """Returns the reward components held-out evaluation scores with."""
+    return config.eval.rewards or config.reward.functions
+
+
+def ingest_token(config: IngestConfig) -> str:
+    """Returns the bearer token of the ingestion endpoint: ingest.token, else the
+    RLRAY_INGEST_TOKEN environment variable ("" for none)."""
+    return config.token or os.environ.get("RLRAY_INGEST_TOKEN", "")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Returns a dataclass's fields' types, resolved (the module's annotations are text)."""
+    return typing.get_type_hints(cls)

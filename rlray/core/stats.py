@@ -1,0 +1,110 @@
+"""The small records actors return to the driver instead of episodes: what a generate
+call, a scoring call, a learner step and the store did, as plain numbers (no torch here:
+the driver reads them)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepMetrics:
+    """What one learner step reports (a line of metrics.jsonl, with the driver's part)."""
+
+    step: int
+    policy_version: int
+    episodes: int
+    groups: int
+    reward_mean: float
+    reward_components: dict[str, float]
+    """Mean of each reward component over the episodes it scored."""
+    policy_loss: float
+    clip_fraction: float
+    entropy: float
+    grad_norm: float
+    advantage_abs_mean: float
+    """Mean |advantage| over loss tokens: 0 means nothing was learned from this step."""
+    zero_advantage_share: float
+    """Share of episodes whose advantages are all 0 (e.g. groups that all got one reward)."""
+    value_loss: float | None
+    value_clip_fraction: float | None
+    explained_variance: float | None
+    kl: float | None
+    """Mean KL estimate against the reference (None without one)."""
+    staleness_mean: float
+    logprob_parity_error: float | None
+    """Max |vLLM - learner| logprob over episodes made by the learner's current weights."""
+    rollout_logprob_diff_mean: float | None
+    """Mean |vLLM - learner| logprob over every token with vLLM logprobs (stale too)."""
+    rollout_logprob_diff_max: float | None
+    rollout_ratio_outside_share: float | None
+    """Share of those tokens whose ratio learner / vLLM lies outside [0.5, 2]."""
+    rollout_correction_weight_mean: float
+    episodes_without_logprobs: int
+    """Posted episodes that came without vLLM logprobs: trained at ratio 1."""
+    truncated_share: float
+    learner_tokens_per_s: float
+    learner_seconds: float
+    completion_length_mean: float
+
+
+def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:
+    """Returns the metrics as a JSON-ready dict (NaN becomes None)."""
+    return {
+        k: (None if isinstance(v, float) and math.isnan(v) else v)
+        for k, v in asdict(metrics).items()
+    }
+
+
+@dataclass
+class GenerateStats:
+    """Small summary of one generate call, sent to the driver instead of the episodes."""
+
+    worker: str
+    policy_version: int
+    episodes: int
+    completion_tokens: int
+    """Tokens the policy generated (observation tokens of multi-turn episodes aside)."""
+    seconds: float
+    tool_calls: int = 0
+    """Tool calls of multi-turn episodes (tool_call spans), and how many failed."""
+    tool_errors: int = 0
+
+
+@dataclass
+class EvalResult:
+    """Greedy exact-match accuracy on held-out prompts at one policy version."""
+
+    accuracy: float | None
+    """None where the held-out rows have no 'answer' column to match."""
+    policy_version: int
+    examples: list[tuple[str, str, str]]  # (prompt, completion, answer), the first few
+
+
+@dataclass
+class ScoreStats:
+    """Small summary of one scoring call, sent to the driver instead of the episodes."""
+
+    worker: str
+    episodes: int
+    reward_sum: float
+    seconds: float
+    failures: dict[str, int] = field(default_factory=dict)
+    """Episodes each component failed on."""
+    dropped: int = 0
+    """Episodes left without a reward (not trained on) under on_failure=drop_episode."""
+    uniform_groups: int = 0
+    """Groups split off because all their samples got the same reward (dynamic sampling)."""
+    uniform_episodes: int = 0
+
+
+@dataclass
+class StoreStats:
+    """What the store has done so far (small; goes into metrics and the summary)."""
+
+    episodes_written: int
+    files_written: int
+    buffered: int
+    uploads_pending: int

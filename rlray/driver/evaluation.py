@@ -1,0 +1,158 @@
+"""Held-out evaluations: rollout-0 generates, reward-0 scores, and only the scores come
+back to the driver, which summarises them into metrics and keeps the best checkpoint by
+one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlray.cluster.calls import ActorFailure
+from rlray.cluster.start import Actors
+from rlray.config import EvalConfig
+from rlray.core.checkpoints import BEST
+from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
+from rlray.core.prompt import PromptRow
+from rlray.core.stats import EvalResult
+from rlray.driver.recovery import Recovery
+from rlray.observe.timing import PhaseClock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluation:
+    """One held-out evaluation: exact match and the metrics of the eval rewards."""
+
+    result: EvalResult
+    """Greedy exact-match accuracy (None without answers), version, examples."""
+    summary: EvalSummary
+    """Every metric (rlray.evaluation.summarize) with its standard error."""
+    prompts_left_out: int
+    """Held-out prompts left out because a reward failed on one of their completions."""
+
+    def record(self) -> dict[str, Any]:
+        """Returns the evaluation's fields of a metrics.jsonl line."""
+        metrics = self.summary.metrics
+        return {
+            "eval_accuracy": self.result.accuracy,
+            "eval_policy_version": self.result.policy_version,
+            "eval": {name: m.value for name, m in metrics.items()},
+            "eval_stderr": {name: m.stderr for name, m in metrics.items()},
+            "eval_prompts_left_out": self.prompts_left_out,
+        }
+
+
+def summarize_evaluation(
+    model: str, result: EvalResult, samples: list[EvalSample], settings: EvalConfig
+) -> Evaluation:
+    """Returns the evaluation of `model` from its exact-match result and its scored
+    held-out completions. Prompts a reward failed on are left out (and logged); raises
+    ActorFailure if fewer than 2 prompts are left to evaluate on."""
+    kept, left_out = fully_scored(samples)
+    prompts = len({s.prompt_id for s in samples})
+    if left_out:
+        logger.warning(
+            "evaluation of %s: %d of %d held-out prompts left out: a reward failed on one "
+            "of their completions",
+            model,
+            len(left_out),
+            prompts,
+        )
+    if prompts - len(left_out) < 2:
+        raise ActorFailure(
+            f"evaluation of {model}: rewards failed on {len(left_out)} of {prompts} "
+            "held-out prompts; fewer than 2 are left to evaluate on"
+        )
+    ks = settings.pass_k if settings.samples else []
+    summary = summarize(model, kept, ks, settings.pass_threshold)
+    return Evaluation(result, summary, len(left_out))
+
+
+class Evaluator:
+    """Evaluates the policy that rollout-0 holds on the run's held-out prompts."""
+
+    def __init__(
+        self,
+        actors: Actors,
+        rows: list[PromptRow],
+        settings: EvalConfig,
+        recovery: Recovery,
+        clock: PhaseClock,
+    ):
+        self.actors = actors
+        self.rows = rows
+        self.settings = settings
+        self.recovery = recovery
+        self.clock = clock
+
+    def evaluate(self, version: int) -> Evaluation:
+        """Returns the held-out evaluation of policy `version`: greedy and eval.samples
+        sampled completions per prompt, scored by the eval rewards."""
+        rollout, reward = self.actors.rollout[0], self.actors.reward[0]
+        settings = self.settings
+        made: dict[str, Any] = {}
+
+        def generate() -> Any:
+            made["episodes"], result = rollout.eval_episodes.options(num_returns=2).remote(
+                self.rows, settings.samples, settings.temperature
+            )
+            return result
+
+        with self.clock.phase("evaluation"):
+            result = self.recovery.retrying(self.actors.rollout_names[0], generate, "evaluate")
+            samples = self.recovery.retrying(
+                self.actors.reward_names[0],
+                lambda: reward.evaluate.remote(made["episodes"], version),
+                "score evaluation",
+            )
+        return summarize_evaluation(f"step {version}", result, samples, settings)
+
+
+class BestCheckpoint:
+    """The run's best evaluation by one metric, in checkpoints/best.json: its step, the
+    metric's value and standard error, and the checkpoint of that step (None for step 0,
+    the base model, whose path `model` names).
+
+    Higher is better (every metric is a reward's); of equal values the first is kept. A
+    resumed run continues the record of the steps it kept."""
+
+    def __init__(self, run_dir: str | Path, metric: str, before_step: int):
+        self.metric = metric
+        self.path = Path(run_dir) / "checkpoints" / BEST
+        self.best: dict[str, Any] | None = None
+        if metric and self.path.is_file():
+            kept = json.loads(self.path.read_text())
+            if kept.get("metric") == metric and kept["step"] < before_step:
+                self.best = kept
+
+    def improves(self, metrics: dict[str, Any]) -> bool:
+        """Returns True if an evaluation's metrics (name: value) beat the best so far."""
+        if not self.metric:
+            return False
+        if self.metric not in metrics:
+            raise ValueError(
+                f"evaluation has no metric {self.metric!r}; it has {', '.join(metrics)}"
+            )
+        return self.best is None or metrics[self.metric] > self.best["value"]
+
+    def record(
+        self, step: int, value: float, stderr: float, checkpoint: str | None, model: str
+    ) -> None:
+        """Makes this evaluation the best and writes best.json (atomically)."""
+        self.best = {
+            "metric": self.metric,
+            "step": step,
+            "value": value,
+            "stderr": stderr,
+            "checkpoint": checkpoint,
+            "model": model,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_suffix(".tmp")
+        staging.write_text(json.dumps(self.best, indent=2))
+        staging.rename(self.path)

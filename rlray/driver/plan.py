@@ -1,0 +1,144 @@
+"""The run plan: everything checked before any actor starts (model, prompts, rewards,
+run directory), and the run directory's config.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from rlray.config import Config, ConfigError, config_to_dict, eval_rewards
+from rlray.core.checkpoints import checkpoint_version, latest_checkpoint
+from rlray.core.episode import ModelLimits
+from rlray.core.prompt import PromptRow
+from rlray.data.models import model_limits, read_prompts, resolve_model_path
+from rlray.data.prompts import (
+    PromptSource,
+    check_prompts_fit,
+    eval_rows,
+    lost_characters_warning,
+    train_prompts,
+)
+from rlray.rewards.loading import absolute_spec_path, check_rewards
+from rlray.rewards.worker import TRACE_COLUMN
+from rlray.rollout.environments import load_environment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunPlan:
+    """Everything checked before any actor starts."""
+
+    config: Config
+    run_dir: Path
+    run_id: str
+    model_path: str
+    prompts: PromptSource
+    eval_rows: list[PromptRow]
+    checkpoint: Path | None
+    """Checkpoint to continue from (a resumed run), else None."""
+
+    @property
+    def first_step(self) -> int:
+        """The first step this run logs: 0 (the evaluation before training) for a fresh
+        start, else the step after the checkpoint's."""
+        return checkpoint_version(self.checkpoint) + 1 if self.checkpoint else 0
+
+    def resume_point(self) -> tuple[int, int]:
+        """Returns (policy version, prompt cursor) to start from."""
+        if self.checkpoint is None:
+            return 0, 0
+        state = json.loads((self.checkpoint / "state.json").read_text())
+        return checkpoint_version(self.checkpoint), int(state["prompt_cursor"])
+
+    def resumed(self) -> RunPlan:
+        """Returns the plan continued from the run's latest checkpoint (after a lost actor)."""
+        return replace(self, checkpoint=latest_checkpoint(self.run_dir))
+
+
+def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
+    """Returns the checked plan of a run, or raises ConfigError naming the bad input.
+
+    Resolves the model (building the embedded one on first use), reads the prompts,
+    checks that every prompt fits the context window and that reward functions load.
+    The cheap checks (checkpoint, run directory) come first.
+    """
+    checkpoint = None
+    if resume_dir is not None:
+        checkpoint = latest_checkpoint(resume_dir)
+        if checkpoint is None:
+            raise ConfigError(f"--resume: no complete checkpoint under {resume_dir}/checkpoints")
+    run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    _check_writable(run_dir)
+    prompts = train_prompts(config.data, config.seed)
+    held_out = eval_rows(config.data)
+    config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
+    config.eval.rewards = [absolute_spec_path(s, Path.cwd()) for s in config.eval.rewards]
+    check_rewards(config.reward.functions, {*prompts.row(0).columns, TRACE_COLUMN})
+    check_eval_rows(config, held_out)
+    if config.rollout.environment:
+        load_environment(config.rollout.environment)
+    model_path = resolve_model_path(config.model.path)
+    limits = model_limits(model_path, config.model.max_model_len)
+    _check_stop_token_ids(config.rollout.stop_token_ids, limits)
+    sources = {"data.train": prompts.longest_prompts(), "data.eval": held_out}
+    readings = read_prompts(model_path, [[r.prompt for r in rows] for rows in sources.values()])
+    for (source, rows), read in zip(sources.items(), readings, strict=True):
+        counts = [tokens.count for tokens in read]
+        check_prompts_fit(
+            rows, counts, config.completion_budget, config.model.max_model_len, source
+        )
+        if warning := lost_characters_warning(rows, [t.read_as for t in read], source):
+            logger.warning("warning: %s", warning)
+    config.run_dir = str(run_dir)
+    return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def check_eval_rows(config: Config, rows: list[PromptRow]) -> None:
+    """Raises ConfigError unless there are at least 2 held-out prompts (a standard error
+    needs 2) and the eval rewards can score them (the columns they need)."""
+    if len(rows) < 2:
+        raise ConfigError(
+            f"data.eval: {len(rows)} held-out prompt(s); an evaluation needs at least 2"
+        )
+    field = "eval.rewards" if config.eval.rewards else "reward.functions"
+    columns = set.intersection(*(set(r.columns) for r in rows))
+    check_rewards(eval_rewards(config), {*columns, TRACE_COLUMN}, field, "data.eval")
+
+
+def _check_stop_token_ids(token_ids: list[int], limits: ModelLimits | None) -> None:
+    """Raises ConfigError if a stop token id is not in the model's vocabulary (a hub
+    model's vocabulary is not known before vLLM loads it)."""
+    for i, token in enumerate(token_ids):
+        if limits is not None and token >= limits.vocab_size:
+            raise ConfigError(
+                f"rollout.stop_token_ids[{i}]: {token} is not a token id of the model "
+                f"(vocabulary of {limits.vocab_size})"
+            )
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Raises ConfigError (run_dir) unless the run directory exists as a writable
+    directory or can be created: its nearest existing parent is a writable directory."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run_dir: cannot create {run_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir: cannot write to {existing}")
+
+
+def write_config(plan: RunPlan) -> None:
+    """Creates the run directory and writes config.yaml (a resumed run keeps its own)."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    target = plan.run_dir / "config.yaml"
+    if plan.checkpoint is None or not target.exists():
+        target.write_text(yaml.safe_dump(config_to_dict(plan.config), sort_keys=False))

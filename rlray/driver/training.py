@@ -1,0 +1,253 @@
+"""The training driver: rollouts into the buffer, learner steps from it, weight syncs,
+evaluations, checkpoints, and every scored episode into the store.
+
+It composes the driver's parts, each in a file of its own: the batches in flight
+(rollouts.py), actor restarts (recovery.py), weight syncs (weight_sync.py), store writes
+(store_writes.py) and evaluations (evaluation.py). This file holds what is the training
+run's own: how far generation may run ahead of the learner, the buffer's batches, and
+learner steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlray.cluster.calls import ActorFailure
+from rlray.cluster.start import Actors
+from rlray.cluster.telemetry import Telemetry
+from rlray.core.stats import StoreStats, metrics_dict
+from rlray.driver.evaluation import Evaluation, Evaluator
+from rlray.driver.interrupts import interrupts_held
+from rlray.driver.plan import RunPlan
+from rlray.driver.recovery import Recovery
+from rlray.driver.rollouts import InFlight, Rollouts
+from rlray.driver.store_writes import StoreWrites
+from rlray.driver.weight_sync import WeightSync
+from rlray.episodes.buffer import BufferedBatch, TakenBatches
+from rlray.observe.timing import PhaseClock
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDriver:
+    """Schedules generation, scoring, buffering, learning and weight syncs of one run.
+
+    Generation runs ahead of the learner only as far as `buffer.max_staleness` allows:
+    a batch is started only if the policy that makes it will be at most K versions
+    behind the learner when that batch is trained on. K=0 is strictly on-policy.
+
+    Rollout, reward, buffer and store actors are restarted by Ray when they die; the
+    driver keeps what it needs to carry on without losing or doubling an episode: the
+    rows of every batch in flight (regenerated, with new episode ids, if its rollout
+    worker died; re-scored if its reward worker died), a copy of the buffer's references
+    (restored into a restarted buffer), and every store write until the store confirms
+    it (resent under the same key, which the store recognises). Episodes are stored as
+    trained only after the learner step that used them succeeded.
+    """
+
+    def __init__(self, plan: RunPlan, actors: Actors, version: int, prompt_cursor: int):
+        config = plan.config
+        self.config = config
+        self.plan = plan
+        self.actors = actors
+        self.learner_version = version
+        self.prompt_cursor = prompt_cursor
+        self.clock = PhaseClock()
+        self.telemetry = Telemetry(plan.run_id)
+        self.recovery = Recovery(
+            actors, config.ray.call_timeout_s, config.ray.actor_start_timeout_s
+        )
+        self.store = StoreWrites(actors.store, self.recovery, self.clock)
+        self.weights = WeightSync(
+            config, actors, self.recovery, self.clock, self.telemetry, plan.eval_rows, version
+        )
+        self.rollouts = Rollouts(
+            actors,
+            plan.prompts,
+            self.recovery,
+            self.clock,
+            deliver=self._to_buffer,
+            split_uniform_groups=config.algorithm.drop_uniform_groups,
+        )
+        self.rollouts.step_version = version
+        self.evaluator = Evaluator(actors, plan.eval_rows, config.eval, self.recovery, self.clock)
+        self.buffered_episodes = 0
+        self.buffered: dict[int, BufferedBatch] = {}
+        """The buffer's batches of this driver (added, not yet taken), by batch id."""
+        self.reserved_episodes = 0
+        self.next_batch_id = 0
+        self.training: list[BufferedBatch] = []
+        """The batches of the learner step under way (stored once it succeeded)."""
+        self.recovery.restorers["buffer"] = self._restore_buffer
+
+    # ------------------------------------------------------------------ generation
+
+    def _may_generate(self, worker: int) -> bool:
+        """Whether a batch started now on `worker` would still be fresh when trained."""
+        per_step = self.config.learner.episodes_per_step
+        in_flight = sum(item.num_episodes for item in self.rollouts.in_flight)
+        trained_at_version = self.learner_version + (self.buffered_episodes + in_flight) // per_step
+        staleness = trained_at_version - self.weights.worker_versions[worker]
+        return staleness <= self.config.buffer.max_staleness
+
+    def fill(self) -> None:
+        """Starts a batch on every idle rollout worker that may generate and has room."""
+        batch_size = self.config.rollout_batch_episodes
+        rollout = self.config.rollout
+        for worker in self.rollouts.idle_workers():
+            if not self._may_generate(worker):
+                continue
+            with interrupts_held():
+                if not self.buffer_call(
+                    lambda: self.actors.buffer.reserve.remote(batch_size), "reserve"
+                ):
+                    return  # full: producers wait until the learner takes a step
+                self.reserved_episodes += batch_size
+                first = self.prompt_cursor
+                self.prompt_cursor += rollout.prompts_per_batch
+                self.rollouts.start(
+                    worker, first, rollout.prompts_per_batch, rollout.samples_per_prompt
+                )
+
+    def _to_buffer(self, item: InFlight) -> None:
+        score = item.scored
+        batch = BufferedBatch(
+            ref=[item.episodes],
+            policy_version=item.generated.policy_version,
+            num_episodes=item.generated.episodes - score.uniform_episodes,
+            first_prompt_index=item.first_prompt_index,
+            batch_id=self.next_batch_id,
+        )
+        self.next_batch_id += 1
+        reserved = item.generated.episodes
+        self.buffer_call(lambda: self.actors.buffer.add.remote(batch, reserved), "add")
+        self.reserved_episodes -= reserved
+        if batch.num_episodes:
+            self.buffered[batch.batch_id] = batch
+        if item.uniform is not None and score.uniform_episodes:
+            self.store.write([[item.uniform]], trained_at=None)  # never trained on, kept
+        self.buffered_episodes += batch.num_episodes
+
+    def _restore_buffer(self, name: str) -> None:
+        batches = list(self.buffered.values())
+        restored = self.actors.buffer.restore.remote(batches, self.reserved_episodes)
+        self.recovery.call("buffer", restored, "restore")
+
+    def buffer_call(self, call: Callable[[], Any], what: str) -> Any:
+        with self.clock.phase("buffer"):
+            return self.recovery.retrying("buffer", call, what)
+
+    # ------------------------------------------------------------------ learning
+
+    def train_step(self) -> dict[str, Any]:
+        """Fills the buffer to one learner step, trains on it, and returns the step's
+        metrics (learner, buffer and rollout figures together)."""
+        per_step = self.config.learner.episodes_per_step
+        while True:
+            self.fill()
+            with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
+                taken = self.buffer_call(
+                    lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
+                )
+                if taken is not None:
+                    train = self._start_training(taken)
+                    break
+            if not self.rollouts.in_flight:
+                raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
+            self.rollouts.wait()
+        if self.actors.ingest is not None:
+            self.actors.ingest.set_step.remote(self.learner_version)
+        self.fill()  # with max_staleness >= 1 generation overlaps training
+        with self.clock.phase("training"):
+            metrics = self.recovery.call("learner", train, "train step")
+        # Only now are they trained on: a learner that died mid-step leaves them untrained.
+        with interrupts_held():
+            self.store.write([b.ref for b in self.training], trained_at=time.time())
+            self.training = []
+        buffer_stats = self.buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
+        tally = self.rollouts.take_tally()
+        return {
+            **metrics_dict(metrics),
+            "buffer_depth": buffer_stats["buffer_depth"],
+            "dropped_stale": buffer_stats["dropped_stale"],
+            "dropped_stale_this_step": sum(b.num_episodes for b in taken.dropped),
+            "rollout_tokens_per_s": tally.tokens_per_s(),
+            "reward_seconds": tally.reward_seconds,
+            "reward_wait_seconds": tally.reward_wait_seconds,
+            "reward_failures": tally.reward_failures,
+            "reward_dropped_episodes": tally.reward_dropped,
+            "prompts_generated": tally.prompts_generated,
+            "dropped_uniform_groups": tally.uniform_groups,
+            "dropped_uniform_episodes": tally.uniform_episodes,
+            "worker_policy_versions": tally.per_worker_version,
+            "tool_calls": tally.tool_calls,
+            "tool_call_success_rate": tally.tool_call_success_rate(),
+            "actor_restarts": dict(self.recovery.restarts),
+        }
+
+    def _start_training(self, taken: TakenBatches) -> Any:
+        """Moves the batches taken from the buffer to `training`, stores the stale ones
+        and starts the learner step; returns the step's ObjectRef."""
+        for batch in taken.batches + taken.dropped:
+            self.buffered.pop(batch.batch_id, None)
+        self.buffered_episodes -= sum(
+            b.num_episodes for b in taken.batches + taken.dropped if not b.external
+        )
+        self.training = taken.batches
+        refs = [b.ref for b in taken.batches]
+        train = self.actors.learner.train_on.remote(refs, self.recovery.timeout_s)
+        self.store.write([b.ref for b in taken.dropped], trained_at=None)
+        self.learner_version += 1
+        self.rollouts.step_version = self.learner_version
+        return train
+
+    def sync_weights(self) -> dict[str, Any]:
+        """Loads the learner's weights on every rollout worker; returns the sync's record."""
+        return self.weights.sync()
+
+    def evaluate(self) -> Evaluation:
+        """Returns the held-out evaluation of the current policy."""
+        return self.evaluator.evaluate(self.learner_version)
+
+    def save_checkpoint(self) -> Path:
+        """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,
+        so a resumed run regenerates whatever was buffered or in flight."""
+        with self.clock.phase("checkpoint"):
+            pending = [item.first_prompt_index for item in self.rollouts.in_flight]
+            pending += [b.first_prompt_index for b in self.buffered.values() if not b.external]
+            cursor = min(pending, default=self.prompt_cursor)
+            ref = self.actors.learner.save_checkpoint.remote(str(self.plan.run_dir), cursor)
+            return self.recovery.call("learner", ref, "save checkpoint")
+
+    # ------------------------------------------------------------------ the end
+
+    def drain(self) -> None:
+        """Waits for in-flight batches and sends them, and whatever the buffer still
+        holds, to the store as never trained on: every scored episode is kept."""
+        for item in self.rollouts.finished():
+            self.store.write([[item.episodes]], trained_at=None)
+            if item.uniform is not None:
+                self.store.write([[item.uniform]], trained_at=None)
+        if self.training:  # the learner step did not finish: not trained on
+            self.store.write([b.ref for b in self.training], trained_at=None)
+            self.training = []
+        if self.actors.buffer is not None:
+            leftovers = self.buffer_call(lambda: self.actors.buffer.drain.remote(), "drain")
+            self.store.write([b.ref for b in leftovers], trained_at=None)
+            self.buffered.clear()
+        self.store.confirm(block=True)
+
+    def close_store(self) -> StoreStats | None:
+        """Sends every episode not yet stored to the store, closes it (writing its
+        buffered rows, waiting for uploads) and returns its stats; None if the store
+        could not be closed (the reason is logged)."""
+        try:
+            self.drain()
+        except ActorFailure as err:
+            logger.warning("episodes not yet written may be lost: %s", err)
+            return None
+        return self.store.close(self.config.store.upload_timeout_s)

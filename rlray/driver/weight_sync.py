@@ -1,0 +1,164 @@
+"""Weight syncs: the learner's weights onto every rollout worker, and the parity check.
+
+Two paths (rollout.weight_sync): the object store, where the learner publishes its
+weights once as one immutable object that every worker loads, all at once (no worker
+can load half a version); or vLLM's weight transfer (NCCL on GPUs, gloo on CPU), where
+the learners send each tensor straight into the workers' engines. A restarted worker
+loads the published weights, published anew if the last sync went by transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rlray.cluster.calls import ActorFailure
+from rlray.cluster.start import Actors
+from rlray.cluster.telemetry import Telemetry
+from rlray.config import Config, weight_sync
+from rlray.core.prompt import PromptRow
+from rlray.driver.recovery import Recovery
+from rlray.observe.timing import PhaseClock
+
+logger = logging.getLogger(__name__)
+
+PARITY_PROBE_PROMPTS = 2
+
+Loaded = dict[str, tuple[int, float | None]]
+"""Per worker name: the version it holds and its load seconds (None: not measured)."""
+
+
+class WeightSync:
+    """Keeps every rollout worker at the learner's version; knows which each holds."""
+
+    def __init__(
+        self,
+        config: Config,
+        actors: Actors,
+        recovery: Recovery,
+        clock: PhaseClock,
+        telemetry: Telemetry,
+        probe_rows: list[PromptRow],
+        version: int,
+    ):
+        self.config = config
+        self.actors = actors
+        self.recovery = recovery
+        self.clock = clock
+        self.telemetry = telemetry
+        self.probe_rows = probe_rows[:PARITY_PROBE_PROMPTS]
+        self.worker_versions = [version] * len(actors.rollout)
+        self.transfer = weight_sync(config)  # object_store, nccl or gloo
+        self.transfer_open = False  # the learners' weight transfer to the workers
+        self.published: Any = None  # ObjectRef of the last published weights
+        self.parity_probe: Any = None  # held so a failed probe is not reported as unhandled
+        recovery.restorers["rollout"] = self._reload
+
+    def sync(self) -> dict[str, Any]:
+        """Publishes the learner's weights once and loads them on every rollout worker;
+        returns the sync's record: its path, wall time, the slowest worker's load time
+        and the version each worker holds."""
+        with self.clock.phase("weight_sync"):
+            started = time.perf_counter()
+            if self.transfer == "object_store":
+                path, loaded = "object_store", self._publish_and_load()
+            else:
+                path, loaded = self._send()
+            if self.config.buffer.max_staleness > 0:
+                self._probe_parity()
+            seconds = time.perf_counter() - started
+        self.telemetry.set("rlray_weight_sync_seconds", seconds)
+        load_seconds = [s for _, s in loaded.values() if s is not None]
+        return {
+            "weight_sync": path,
+            "weight_sync_seconds": seconds,
+            "weight_load_seconds": max(load_seconds) if load_seconds else None,
+            "weight_versions_loaded": {name: version for name, (version, _) in loaded.items()},
+        }
+
+    def _publish_and_load(self) -> Loaded:
+        """The object-store sync: the learner publishes one object, and every worker loads
+        it, all at once. A worker that died is waited for and loads it when restarted
+        (its load seconds are then None)."""
+        self.published = self.actors.learner.publish_weights.remote()
+        names = self.actors.rollout_names
+        loads = [worker.load_published.remote(self.published) for worker in self.actors.rollout]
+        loaded: Loaded = {}
+        for worker, (name, load) in enumerate(zip(names, loads, strict=True)):
+            try:
+                version, seconds = self.recovery.call(name, load, "weight load")
+            except ActorFailure as err:
+                if not err.died or err.lost:
+                    raise
+                self.recovery.recover(name, err)  # loads the published weights when up
+                loaded[name] = (self.worker_versions[worker], None)
+                continue
+            self.worker_versions[worker] = version
+            loaded[name] = (version, seconds)
+        return loaded
+
+    def _send(self) -> tuple[str, Loaded]:
+        """vLLM's weight transfer: the learners send (rank 0 broadcasting into every
+        worker's engine); opened at the first sync and again after a worker's restart.
+
+        If the transfer fails while the learner lives (a worker died or failed mid-send),
+        a lone learner closes it and this sync goes through the object store (a dead
+        worker is waited for and loads there too). In a group that ends the attempt as a
+        learner death does: its learners may be stuck in different gathers, so the job
+        resumes from its checkpoint with new actors (ray.max_job_restarts)."""
+        learner = self.actors.learner
+        try:
+            if not self.transfer_open:
+                self._open_transfer()
+            version = self.recovery.call("learner", learner.send_weights.remote(), "sync")
+        except ActorFailure as failure:
+            if failure.died:  # the learner died: reported as such
+                raise
+            if self.config.learner.num_workers > 1:
+                raise ActorFailure(f"weight transfer failed: {failure}", died=True) from failure
+            logger.warning("weight transfer failed (%s); syncing through the object store", failure)
+            self.transfer_open = False
+            closed = learner.close_weight_transfer.remote()
+            self.recovery.call("learner", closed, "closing the weight transfer")
+            return "object_store", self._publish_and_load()
+        self.published = None  # the last published object is no longer the weights
+        self.worker_versions = [version] * len(self.actors.rollout)
+        return self.transfer, {name: (version, None) for name in self.actors.rollout_names}
+
+    def _open_transfer(self) -> None:
+        learners = self.actors.learner
+        rendezvous = learners.handles[0].rendezvous.remote()
+        address, port = self.recovery.call("learner", rendezvous, "sync")
+        ranks = self.config.rollout.tensor_parallel_size  # each worker's engine's ranks
+        workers = list(zip(self.actors.rollout_names, self.actors.rollout, strict=True))
+        opened = learners.open_weight_transfer.remote(
+            self.transfer, address, port, workers, ranks, self.recovery.timeout_s
+        )
+        self.recovery.call("learner", opened, "opening the weight transfer")
+        self.transfer_open = True
+
+    def _probe_parity(self) -> None:
+        """Has the learner check this sync's logprob parity on a few fresh episodes.
+
+        With max_staleness >= 1 training batches are mostly a version old, so the
+        learner cannot compare them with its current weights. A small batch of held-out
+        prompts (negative prompt indexes; never trained on) generated right after the
+        sync goes to the learner, which checks it before its next update: actor calls
+        from this driver run in the order they were made."""
+        rows = self.probe_rows
+        worker = self.actors.rollout[0]
+        episodes, _ = worker.generate.options(num_returns=2).remote(rows, -len(rows))
+        self.parity_probe = self.actors.learner.check_parity.remote(episodes)
+
+    def _reload(self, name: str) -> None:
+        """Loads the current weights on a restarted rollout worker."""
+        if self.published is None:  # weights sent by transfer: publish them now
+            self.published = self.actors.learner.publish_weights.remote()
+        worker = self.actors.rollout_names.index(name)
+        rollout = self.actors.rollout[worker]
+        version, _ = self.recovery.retrying(
+            name, lambda: rollout.load_published.remote(self.published), "weight load"
+        )
+        self.worker_versions[worker] = version
+        self.transfer_open = False  # its new engine joins at the next sync

@@ -1,0 +1,546 @@
+"""The training engine: models, devices, forward passes, micro-batches, the optimizer,
+checkpoints and the weights the rollout workers load.
+
+An `Engine` holds the policy (fp32 master weights), and when asked a frozen reference
+model and a critic (a trunk of the starting model plus a linear value head). It knows
+nothing of advantages or losses: `train` runs epochs of mini-batches of micro-batches
+and asks a loss function (the algorithm's, through the learner) for each micro-batch's
+loss.
+
+A learner group (`learner.num_workers` > 1, rlray/learner/distributed.py): when the process is
+one of a torch.distributed group, the policy, the reference and the critic are sharded
+with FSDP2 across it, and every method here is collective: each learner calls it with
+the whole batch, works on its share of the rows (split by tokens) and the results are
+gathered, so every learner returns what one learner would. Outside a group the same
+code runs with a group of one (nothing sharded, every row its own).
+
+Memory: logits are computed only at the completion positions (prompts are left-padded
+so that every completion starts at the same column and `logits_to_keep` cuts the rest),
+for at most `micro_batch_size` rows at a time; the entropy graph is built only when the
+entropy enters the loss.
+
+bfloat16: weights and optimizer state stay float32; forward and backward passes run
+under autocast in bfloat16, and the rollout workers get bfloat16 copies.
+
+LoRA (`lora_rank > 0`, through PEFT): the policy is the frozen base model with adapters,
+and only the adapters train and have AdamW state. The KL reference is the same model
+with its adapters disabled, not a second copy. A checkpoint holds the adapters (to
+resume) and the merged model as its HF policy (what vLLM and transformers load); a run
+resumes from the starting model plus the adapters, so the reference stays the base. The
+critic, when there is one, stays a full model: it is a second trunk either way, and
+adapters on it would save only its optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import load as load_sharded
+from torch.distributed.checkpoint import save as save_sharded
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from transformers import AutoModel, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from rlray.algorithms import rl_math as rm
+from rlray.learner import distributed as dd
+from rlray.learner.lora import load_adapter, save_merged, with_lora
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ValueModel(nn.Module):
+    """Critic: the base transformer of the starting model plus a linear value head."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state[:, -keep:]
+        # A new tensor, not a view: FSDP2 hooks a sharded module's output for backward.
+        return self.head(hidden)[..., 0].clone()  # (B, keep)
+
+
+@dataclass
+class TokenBatch:
+    """Episodes as tensors. Prompts are left-padded and completions right-padded, so every
+    completion starts at column P (the longest prompt): L = P + T columns in all."""
+
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    position_ids: torch.Tensor  # (B, L) 0 at each row's first real token
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) 1.0 on the completion tokens the policy generated
+
+    def rows(self, index: torch.Tensor) -> TokenBatch:
+        """Returns the sub-batch of the given rows."""
+        return TokenBatch(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def completion_columns(self) -> int:
+        return self.completion_ids.shape[1]
+
+
+def collate(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_token_id: int,
+    completion_masks: list[list[int]] | None = None,
+) -> TokenBatch:
+    """Returns prompt and completion token ids as a TokenBatch. A completion's mask is 1
+    on every token, or its entry of `completion_masks` where that is not empty (0 on
+    the observation tokens between the turns of a multi-turn episode)."""
+    width_prompt = max(len(p) for p in prompts)
+    width_completion = max(max((len(c) for c in completions), default=0), 1)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width_prompt + width_completion), pad_token_id)
+    attention = torch.zeros(batch, width_prompt + width_completion, dtype=torch.long)
+    completion_ids = torch.full((batch, width_completion), pad_token_id)
+    mask = torch.zeros(batch, width_completion)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        start = width_prompt - len(p)
+        input_ids[i, start : width_prompt + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attention[i, start : width_prompt + len(c)] = 1
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        policy_tokens = completion_masks[i] if completion_masks else None
+        mask[i, : len(c)] = torch.tensor(policy_tokens, dtype=mask.dtype) if policy_tokens else 1.0
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return TokenBatch(input_ids, attention, position_ids, completion_ids, mask)
+
+
+@dataclass
+class Outputs:
+    """Per-token outputs of a forward pass over a batch's completion tokens, (B, T) each."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@dataclass
+class MiniBatchTotals:
+    """Counts of a whole mini-batch, which each micro-batch's loss is divided by."""
+
+    tokens: float
+    sequences: float
+
+
+LossFn = Callable[[Outputs, torch.Tensor, MiniBatchTotals], tuple[torch.Tensor, dict[str, float]]]
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Sets every dropout probability to 0: the ratio of two forward passes must not be
+    noise, and vLLM samples without dropout."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
+        if config is not None and isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+class Engine:
+    """Owns the models, the optimizer and the device; runs forward passes and updates."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        lr: float = 1e-5,
+        critic_lr: float = 1e-4,
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 64,
+        temperature: float = 1.0,
+        with_reference: bool = False,
+        with_critic: bool = False,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        checkpoint: str | Path | None = None,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] = ("all-linear",),
+    ):
+
+        hf_logging.disable_progress_bar()  # checkpoint saves would print a bar each
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype {dtype!r}: expected one of {list(COMPUTE_DTYPES)}")
+        torch.manual_seed(seed)
+        self.device = torch.device(device)
+        self.compute_dtype = COMPUTE_DTYPES[dtype]
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.temperature = temperature
+        self.lora = lora_rank > 0
+        # With LoRA the base is always the starting model; a checkpoint adds its adapters.
+        policy_path = f"{checkpoint}/policy" if checkpoint and not self.lora else model_path
+        # Master weights in float32 whatever the compute dtype.
+        self.policy = self._load(AutoModelForCausalLM, policy_path, gradient_checkpointing)
+        if self.lora:
+            self.policy = with_lora(self.policy, lora_rank, lora_alpha, list(lora_targets))
+        self.with_reference = with_reference
+        self.reference = None
+        if with_reference and not self.lora:
+            # float32 like the policy, so that KL is exactly 0 before the first update.
+            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.reference.to(self.device).requires_grad_(False).eval()
+        self.critic = None
+        if with_critic:
+            # A checkpoint of a run without a critic (another estimator) has none to load.
+            has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
+            trunk_path = f"{checkpoint}/critic" if has_critic else model_path
+            trunk = self._load(AutoModel, trunk_path, gradient_checkpointing)
+            self.critic = ValueModel(trunk, self.policy.config.hidden_size).to(self.device)
+            head_path = Path(trunk_path, "value_head.pt")
+            if has_critic and head_path.is_file():
+                self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        self.rank, self.world_size = dd.rank_and_size()
+        if self.world_size > 1:
+            self._shard()
+        groups = [{"params": self.trainable_parameters(), "lr": lr}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": critic_lr})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        self.shuffle = torch.Generator().manual_seed(seed)
+        if checkpoint:
+            self._load_state(Path(checkpoint))
+
+    def _shard(self) -> None:
+        """Shards every model across the learner group (before the optimizer exists: its
+        state is then sharded too)."""
+        if self.lora:
+            raise ValueError("LoRA adapters in a learner group (learner.num_workers > 1)")
+        for model in (self.policy, self.reference, self.critic):
+            if model is not None:
+                dd.shard(model, self.device.type)
+
+    def _load(self, auto_class: Any, path: str, gradient_checkpointing: bool) -> nn.Module:
+        model = auto_class.from_pretrained(path, dtype=torch.float32).to(self.device)
+        disable_dropout(model)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()  # gradient checkpointing acts in training mode only; no dropout left
+        return model
+
+    def trained_models(self) -> nn.ModuleDict:
+        """The models the optimizer updates, by name (the keys of its saved state)."""
+        models = {"policy": self.policy}
+        if self.critic is not None:
+            models["critic"] = self.critic
+        return nn.ModuleDict(models)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Returns the policy's parameters that train: all of them, or with LoRA the
+        adapters alone."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype (float32 master weights, bfloat16 arithmetic)."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _completion_logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        """Returns (B, T, V) float32 logits at the positions that predict each completion
+        token, divided by the sampling temperature; no other position's logits exist."""
+        steps = batch.completion_columns
+        logits = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=steps + 1,
+        ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
+        return logits.float() / self.temperature
+
+    def forward(self, batch: TokenBatch, entropy_grad: bool = False) -> Outputs:
+        """Returns the policy's logprobs and entropy (and the critic's values) of one
+        micro-batch, with gradients; entropy has one only if `entropy_grad`."""
+        with self._compute():
+            logits = self._completion_logits(self.policy, batch)
+            values = self._values(batch) if self.critic is not None else None
+        logp = rm.token_logprobs(logits, batch.completion_ids)
+        if entropy_grad:
+            entropy = rm.entropy_from_logits(logits)
+        else:
+            with torch.no_grad():
+                entropy = rm.entropy_from_logits(logits)
+        return Outputs(logp, entropy, values)
+
+    def _values(self, batch: TokenBatch) -> torch.Tensor:
+        steps = batch.completion_columns
+        values = self.critic(
+            batch.input_ids, batch.attention_mask, batch.position_ids, keep=steps + 1
+        )
+        return values[:, :-1].float()  # (B, T): the state before each completion token
+
+    def score(self, batch: TokenBatch, with_values: bool = True) -> Outputs:
+        """Returns the policy's logprobs (and the critic's values) of every row, without
+        gradients, `micro_batch_size` rows at a time."""
+        with_values = with_values and self.critic is not None
+
+        def score_rows(micro: TokenBatch) -> dict[str, torch.Tensor]:
+            with self._compute():
+                logits = self._completion_logits(self.policy, micro)
+                values = self._values(micro) if with_values else None
+            logp = rm.token_logprobs(logits, micro.completion_ids)
+            return {"logp": logp} if values is None else {"logp": logp, "values": values}
+
+        scored = self._each_row(batch, score_rows)
+        for model in self.trained_models().values():
+            dd.reshard(model)  # no backward pass follows this one
+        return Outputs(logp=scored["logp"], values=scored.get("values"))
+
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor | None:
+        """Returns the reference model's (B, T) logprobs, or None if none is held: the
+        frozen starting model, or with LoRA the policy with its adapters disabled."""
+        if not self.with_reference:
+            return None
+        model = self.reference if self.reference is not None else self.policy
+
+        def reference_rows(micro: TokenBatch) -> dict[str, torch.Tensor]:
+            with self._compute():
+                logits = self._completion_logits(model, micro)
+            return {"logp": rm.token_logprobs(logits, micro.completion_ids)}
+
+        with self._reference_mode():
+            logp = self._each_row(batch, reference_rows)["logp"]
+        dd.reshard(model)  # no backward pass follows this one
+        return logp
+
+    @torch.no_grad()
+    def _each_row(
+        self, batch: TokenBatch, rows_fn: Callable[[TokenBatch], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """Returns rows_fn's (B, T) outputs for every row of the batch: each learner runs
+        it on its own rows, a micro-batch at a time, and the outputs are gathered."""
+        rows = torch.arange(batch.size, device=self.device)
+        # Gathered outputs travel pickled, through the CPU; a lone learner's stay put.
+        travel = "cpu" if self.world_size > 1 else self.device
+        own: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        for micro_rows in self._micro_batches(batch, rows):
+            if micro_rows is None:  # nothing left here, but the group's passes go on
+                rows_fn(batch.rows(rows[:1]))
+                continue
+            outputs = rows_fn(batch.rows(micro_rows))
+            own.append((micro_rows.to(travel), {k: v.to(travel) for k, v in outputs.items()}))
+        result: dict[str, torch.Tensor] = {}
+        for learner_rows in dd.gather_objects(own):
+            for micro_rows, outputs in learner_rows:
+                for key, value in outputs.items():
+                    if key not in result:
+                        result[key] = value.new_zeros(batch.size, *value.shape[1:])
+                    result[key][micro_rows] = value
+        return {key: value.to(self.device) for key, value in result.items()}
+
+    def _micro_batches(self, batch: TokenBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """Returns this learner's share of `rows` (balanced by tokens across the group;
+        all of them outside one) in as many micro-batches as the busiest learner runs:
+        None where this learner has no row left, as FSDP2 needs every learner to run
+        the same forward and backward passes."""
+        lengths = batch.attention_mask[rows].sum(dim=1).tolist()
+        owned = dd.split_by_tokens(lengths, self.world_size)
+        count = dd.micro_batch_count([len(o) for o in owned], self.micro_batch_size)
+        return [
+            rows[torch.tensor(micro, dtype=torch.long, device=rows.device)] if micro else None
+            for micro in dd.micro_batches(owned[self.rank], count)
+        ]
+
+    def _reference_mode(self) -> contextlib.AbstractContextManager:
+        """With LoRA, the policy without its adapters is the base model, exactly."""
+        return self.policy.disable_adapter() if self.lora else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ updates
+
+    def train(
+        self,
+        batch: TokenBatch,
+        loss_mask: torch.Tensor,
+        loss_fn: LossFn,
+        epochs: int,
+        minibatch_size: int,
+        entropy_grad: bool = False,
+    ) -> list[dict[str, float]]:
+        """Runs `epochs` passes over the batch in shuffled mini-batches of about
+        `minibatch_size` rows, one optimizer update each; gradients accumulate over
+        micro-batches. `loss_fn(outputs, rows, totals)` returns a micro-batch's share of
+        its mini-batch's loss and metrics that add up over micro-batches. Returns each
+        update's summed metrics, with its gradient norm."""
+        updates = []
+        parts = max(1, round(batch.size / minibatch_size))
+        for _ in range(epochs):
+            order = torch.randperm(batch.size, generator=self.shuffle).to(self.device)
+            for minibatch in order.tensor_split(parts):
+                mask = loss_mask[minibatch]
+                totals = MiniBatchTotals(
+                    tokens=float(mask.sum()), sequences=float((mask.sum(dim=1) > 0).sum())
+                )
+                summed: dict[str, float] = {}
+                for rows in self._micro_batches(batch, minibatch):
+                    idle = rows is None  # this learner's rows are done; the group's are not
+                    rows = minibatch[:1] if idle else rows
+                    outputs = self.forward(batch.rows(rows), entropy_grad)
+                    loss, metrics = loss_fn(outputs, rows, totals)
+                    (loss * 0.0 if idle else loss).backward()
+                    for key, value in {} if idle else metrics.items():
+                        summed[key] = summed.get(key, 0.0) + value
+                summed = _sum_over_learners(summed)
+                summed["grad_norm"] = self._optimizer_step()
+                updates.append(summed)
+        return updates
+
+    def _optimizer_step(self) -> float:
+        # A sharded model's norm is the whole gradient's (a DTensor every learner agrees on).
+        norm = dd.whole(nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm))
+        norms = {"policy": norm}
+        if self.critic is not None:
+            critic = nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+            norms["critic"] = dd.whole(critic)
+        for model, value in norms.items():
+            if not torch.isfinite(value):  # a finite loss can still overflow backward
+                self.optimizer.zero_grad(set_to_none=True)
+                raise rm.NonFiniteError(f"{model} gradient norm is not finite ({float(value)})")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def save(self, directory: Path, tokenizer: Any) -> None:
+        """Writes the policy (HF format, with the tokenizer; with LoRA the merged model,
+        and the adapters apart), the critic, the optimizer and the random states into
+        `directory`. Collective in a group: rank 0 writes the whole models, gathered a
+        tensor at a time, and every learner writes its shard of the optimizer's state
+        (torch.distributed.checkpoint, which a group of another size can load)."""
+
+        policy = self._whole_state(self.policy)
+        critic = self._whole_state(self.critic) if self.critic is not None else None
+        if self.rank == 0:
+            self._save_models(directory, tokenizer, policy, critic)
+        optimizer = get_optimizer_state_dict(self.trained_models(), self.optimizer)
+        with _one_process_is_intended():
+            save_sharded(
+                {"optimizer": optimizer},
+                checkpoint_id=directory / "optimizer",
+                no_dist=self.world_size == 1,
+            )
+        if self.rank == 0:
+            torch.save(
+                {
+                    "shuffle_rng": self.shuffle.get_state(),
+                    "torch_rng": torch.random.get_rng_state(),
+                    "python_rng": random.getstate(),
+                },
+                directory / "trainer_state.pt",
+            )
+
+    def _whole_state(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Returns the model's state dict whole on rank 0's CPU (None elsewhere); outside
+        a group, None: the model saves itself."""
+        if self.world_size == 1:
+            return None
+
+        # Collective: every learner gathers, and only rank 0 keeps (cpu_offload).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if self.rank == 0 else None
+
+    def _save_models(
+        self,
+        directory: Path,
+        tokenizer: Any,
+        policy: dict[str, torch.Tensor] | None,
+        critic: dict[str, torch.Tensor] | None,
+    ) -> None:
+        if self.lora:
+            self.policy.save_pretrained(directory / "adapter")
+            save_merged(self.policy, directory / "policy")
+        else:
+            self.policy.save_pretrained(directory / "policy", state_dict=policy)
+        tokenizer.save_pretrained(directory / "policy")
+        if self.critic is not None:
+            head = self.critic.head.state_dict()
+            trunk = None
+            if critic is not None:  # gathered: split into the trunk's and the head's
+                trunk = _under(critic, "trunk.")
+                head = _under(critic, "head.")
+            self.critic.trunk.save_pretrained(directory / "critic", state_dict=trunk)
+            torch.save(head, directory / "critic" / "value_head.pt")
+
+    def _load_state(self, checkpoint: Path) -> None:
+        adapter = checkpoint / "adapter"
+        if self.lora != adapter.is_dir():
+            has, wants = ("without", "with") if self.lora else ("with", "without")
+            raise ValueError(
+                f"{checkpoint}: a checkpoint of a run {has} LoRA adapters cannot resume a run "
+                f"{wants} them (model.lora.rank)"
+            )
+        if self.lora:
+            load_adapter(self.policy, adapter)
+        self._load_optimizer(checkpoint / "optimizer")
+        trainer = torch.load(
+            checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False
+        )
+        self.shuffle.set_state(trainer["shuffle_rng"])
+        torch.random.set_rng_state(trainer["torch_rng"])
+        random.setstate(trainer["python_rng"])
+
+    def _load_optimizer(self, directory: Path) -> None:
+        """Loads the optimizer's state, resharded to this group whatever the size of the
+        group that saved it."""
+
+        models = self.trained_models()
+        state = {"optimizer": get_optimizer_state_dict(models, self.optimizer)}
+        with _one_process_is_intended():
+            load_sharded(state, checkpoint_id=directory, no_dist=self.world_size == 1)
+        set_optimizer_state_dict(models, self.optimizer, optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Silences torch.distributed.checkpoint's warning that it runs in one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Returns the entries of a state dict under `prefix`, named without it."""
+    return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _sum_over_learners(metrics: dict[str, float]) -> dict[str, float]:
+    """Returns each metric summed over the learner group (its own values outside one)."""
+    summed: dict[str, float] = {}
+    for values in dd.gather_objects(metrics):
+        for key, value in values.items():
+            summed[key] = summed.get(key, 0.0) + value
+    return summed

