@@ -43,6 +43,11 @@ def main(argv: list[str]) -> int:
         validate(config)
         if command.resume_dir is not None:
             raise ConfigError("--resume: jobs/dpo.py starts from model.path only")
+        # Each learner reads the data itself, from its own working directory.
+        for name in ("train", "eval"):
+            path = getattr(config.data, name)
+            if path and not path.startswith("builtin:"):
+                setattr(config.data, name, str(Path(path).resolve()))
         preference_batches(config)  # the pair file's checks; each learner reads it again
         model_path = resolve_model_path(config.model.path)
     except ConfigError as err:
