@@ -36,10 +36,10 @@ def main(argv: list[str]) -> int:
         validate(command.config)
         plan = plan_run(command.config, resume_dir=None)
         prompt_count = prompt_count or one_pass(plan)
+        write_config(plan)
     except ConfigError as err:
         print(f"collect.py: error: {err}", file=sys.stderr)
         return 2
-    write_config(plan)
     config = plan.config
 
     # 2. Rollout, reward and store actors; no buffer, no learner.

@@ -32,6 +32,7 @@ from rlray.config import Config, ConfigError, parse_command_line, validate
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.data.prompts import eval_rows
+from rlray.driver.plan import create_run_directory
 from rlray.driver.preference import PreferenceDriver
 
 
@@ -50,11 +51,11 @@ def main(argv: list[str]) -> int:
                 setattr(config.data, name, str(Path(path).resolve()))
         preference_batches(config)  # the pair file's checks; each learner reads it again
         model_path = resolve_model_path(config.model.path)
+        run_dir = Path(config.run_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        create_run_directory(run_dir)
     except ConfigError as err:
         print(f"dpo.py: error: {err}", file=sys.stderr)
         return 2
-    run_dir = Path(config.run_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}", flush=True)
 
     # 2. Learners and the evaluation actor, on Ray.

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.config import Config, ConfigError, eval_rewards, parse_command_line, validate
-from rlray.core.checkpoints import latest_checkpoint
+from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
 from rlray.core.prompt import PromptRow
 from rlray.data.models import read_prompts, resolve_model_path
@@ -114,6 +114,8 @@ def model_directory(model: str) -> str:
             raise ConfigError(f"{model}: a run directory without a complete checkpoint")
         path = latest
     if (path / "state.json").is_file() and (path / "policy").is_dir():
+        if problem := checkpoint_problem(path):
+            raise ConfigError(f"{model}: checkpoint does not verify: {problem}")
         return str((path / "policy").resolve())
     try:
         return resolve_model_path(model)

@@ -36,10 +36,10 @@ def main(argv: list[str]) -> int:
         command = parse_command_line(argv)
         validate(command.config)
         plan = plan_run(command.config, command.resume_dir)
+        write_config(plan)
     except ConfigError as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 2
-    write_config(plan)
     config = plan.config
     connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
     print(f"run directory: {plan.run_dir}", flush=True)
@@ -68,10 +68,13 @@ class RunLost(Exception):
 def run(plan: RunPlan) -> int:
     """Starts the actors, trains, reports; returns the exit code."""
     config = plan.config
+    checkpoint = plan.checkpoint and str(plan.checkpoint)
     try:
-        actors = start_actors(
-            config, plan.model_path, plan.run_id, plan.checkpoint and str(plan.checkpoint)
-        )
+        actors = start_actors(config, plan.model_path, plan.run_id, checkpoint)
+        if config.ingest.enabled:
+            timeout_s = config.ray.actor_start_timeout_s
+            url = start_ingest(config, actors, plan.model_path, str(plan.run_dir), timeout_s)
+            print(f"ingestion endpoint: {url}", flush=True)
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
@@ -80,9 +83,6 @@ def run(plan: RunPlan) -> int:
     stop_on_sigterm()  # `ray job stop` stops like Ctrl-C
     summary = None
     try:
-        if config.ingest.enabled:
-            url = start_ingest(config, actors, plan.model_path, config.ray.actor_start_timeout_s)
-            print(f"ingestion endpoint: {url}", flush=True)
         summary = train(plan, driver, log)
     except ActorFailure as err:
         if err.died:

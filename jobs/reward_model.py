@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlray.config import ConfigError, parse_command_line, validate
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
+from rlray.driver.plan import create_run_directory
 
 
 def main(argv: list[str]) -> int:
@@ -42,11 +43,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--resume: jobs/reward_model.py starts from model.path only")
         batches, held_out = preference_batches(config)
         model_path = resolve_model_path(config.model.path)
+        run_dir = Path(config.run_dir or f"runs/rm-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        create_run_directory(run_dir)
     except ConfigError as err:
         print(f"reward_model.py: error: {err}", file=sys.stderr)
         return 2
-    run_dir = Path(config.run_dir or f"runs/rm-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run directory: {run_dir}", flush=True)
 
     # 2. Model: the trunk with a fresh one-output score head.

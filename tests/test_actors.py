@@ -4,20 +4,25 @@ parity, stale batches never reach the learner, and a dead actor is reported by n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 import ray
 
 from rlray.cluster.calls import ActorFailure, wait_for
-from rlray.cluster.start import start_actors
-from rlray.config import Config, RewardSpec, parse_command_line, validate
+from rlray.cluster.start import start_actors, start_ingest
+from rlray.config import Config, IngestConfig, RewardSpec, parse_command_line, validate
 from rlray.driver.plan import plan_run
 from rlray.driver.training import TrainingDriver
 from rlray.episodes.buffer import BufferedBatch
 from rlray.rewards.worker import RewardWorker
 from rlray.rollout.worker import vllm_env
+from tests.conftest import free_port
 from tests.jobs_helper import SHORT_RUN
 from tests.test_learner import plain_logprob_gap
 
@@ -217,6 +222,68 @@ def test_a_rollout_worker_that_dies_before_a_sync_loads_the_weights_when_restart
     assert {e.policy_version for e in ray.get(generate(actors, plan, first_index=7000))} == {
         version
     }
+
+
+def post(url: str, episodes: list[dict]) -> tuple[int, dict, dict]:
+    """POSTs episodes; returns the status, the JSON answer and the headers."""
+    request = urllib.request.Request(
+        url, data=json.dumps({"episodes": episodes}).encode(), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+def serving(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url.replace("/episodes", "/health"), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_the_ingestion_endpoint_comes_back_and_a_retry_stores_nothing_twice(system, tmp_path):
+    """SIGKILL of the endpoint's process: Ray restarts it on the same host and port, and
+    a client's retry of a POST it had answered is a duplicate; while the buffer it
+    queues into restarts, a POST is answered 503 with Retry-After."""
+    plan, actors = system
+    config = dataclasses.replace(
+        plan.config, ingest=IngestConfig(enabled=True, port=free_port(), train=True)
+    )
+    url = start_ingest(config, actors, plan.model_path, str(tmp_path), 120)
+    posted = [
+        {"run_id": "outside", "episode_id": f"kept-{i}", "prompt": "1+1=", "completion": "2"}
+        for i in range(2)
+    ]
+    posted = [{**episode, "reward": 1.0} for episode in posted]  # queued for training
+    assert post(url, posted)[:2] == (200, {**ANSWER, "accepted": 2, "queued_for_training": 2})
+    before = ray.get(actors.ingest.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(before, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not serving(url):
+        assert time.monotonic() < deadline, "the endpoint did not come back"
+        time.sleep(0.5)
+    assert ray.get(actors.ingest.__ray_call__.remote(lambda _: os.getpid())) != before
+    # The client never saw the answer, say, and retries: stored once, not twice.
+    assert post(url, posted)[:2] == (200, {**ANSWER, "duplicates": 2})
+    assert actors.restart_counts()["ingest"] == 1
+    # The buffer restarts empty and refuses calls until restored (the driver's job).
+    ray.kill(actors.buffer, no_restart=False)
+    wait_for(actors.buffer.__ray_ready__.remote(), "buffer", "restart", 120)
+    fresh = [{**posted[0], "episode_id": "after-buffer-restart"}]
+    status, answer, headers = post(url, fresh)
+    assert (status, headers["Retry-After"]) == (503, "5"), answer
+    assert answer["error"].endswith("restarting; retry")
+    ray.get(actors.buffer.restore.remote([], 0))
+    assert post(url, fresh)[:2] == (200, {**ANSWER, "accepted": 1, "queued_for_training": 1})
+    ray.kill(actors.ingest, no_restart=True)
+    actors.ingest = None
+    assert [b.num_episodes for b in ray.get(actors.buffer.drain.remote())] == [1]
+
+
+ANSWER = {"accepted": 0, "duplicates": 0, "scored": 0, "queued_for_training": 0}
 
 
 def test_dead_rollout_actor_is_named(system):

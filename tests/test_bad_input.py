@@ -84,6 +84,10 @@ BAD_INPUTS = {
     "negative": (["--rollout.prompts_per_batch", "-8"], "rollout.prompts_per_batch must be > 0"),
     "lr-inf": (["--learner.lr", "inf"], "learner.lr must be finite, got inf"),
     "kl-nan": (["--algorithm.kl_coef", "nan"], "algorithm.kl_coef must be finite, got nan"),
+    "kl-k3-in-reward": (
+        ["--algorithm.kl_coef", "0.05", "--algorithm.kl_estimator", "k3"],
+        "algorithm.kl_estimator k3 with kl_mode reward is not a KL penalty",
+    ),
     "temperature-nan": (
         ["--rollout.temperature", "nan"],
         "rollout.temperature must be finite, got nan",
@@ -128,6 +132,12 @@ BAD_INPUTS = {
     ),
     "run-dir-under-a-file": (["--run-dir", "FILE/run"], "run_dir: cannot create "),
     "run-dir-is-a-file": (["--run-dir", "FILE"], "run_dir: cannot create "),
+    "run-dir-in-proc": (
+        ["--run-dir", "/proc/rundir"],
+        "run_dir: cannot create /proc/rundir: No such file or directory",
+    ),
+    "config-nested-too-deep": (["--config", "DEEP_YAML"], "deep.yaml: nested too deeply"),
+    "config-nested-deep": (["--config", "DEEPISH_YAML"], "deepish.yaml: nested more than 32"),
     "seed-too-large": (["--seed", "4294967296"], "seed must be <= "),
     "one-held-out-prompt": (
         ["--data.eval", "ONE_PROMPT"],
@@ -176,6 +186,8 @@ def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
         "NO_ANSWERS": lambda: jsonl(
             tmp_path / "plain.jsonl", {"prompt": "1+1="}, {"prompt": "2+2="}
         ),
+        "DEEP_YAML": lambda: _write(tmp_path / "deep.yaml", b"a: " + b"[" * 3000 + b"]" * 3000),
+        "DEEPISH_YAML": lambda: _write(tmp_path / "deepish.yaml", b"a: " + b"[" * 40 + b"]" * 40),
         "FILE": lambda: _write(tmp_path / "file", b"x"),
         "FILE/run": lambda: _write(tmp_path / "file", b"x") + "/run",
     }
@@ -270,3 +282,19 @@ def test_eval_job_bad_input_is_one_line_exit_2(eval_job, tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("eval.py: error: "), (name, lines)
         assert message in lines[0], (name, lines)
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_without_a_checkpoint_that_verifies_is_one_line_exit_2(ppo, tmp_path, capsys):
+    from rlray.config import config_to_dict
+    from tests.test_checkpoints import saved_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(json.dumps(config_to_dict(Config())))
+    trainer_state = saved_checkpoint(run, 2) / "trainer_state.pt"
+    trainer_state.write_bytes(trainer_state.read_bytes()[:3])
+    assert ppo.main(["--resume", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ppo.py: error: --resume: no complete checkpoint under {run}/checkpoints: "
+        f"step-000002: {trainer_state} has 3 bytes, 11 when saved (truncated?)"
+    ]

@@ -379,9 +379,10 @@ def test_best_checkpoint_of_real_summaries(tmp_path):
     assert best_step(tmp_path, evaluations, "reward/pass@1") == 100
 
 
-def test_best_checkpoint_rejects_unknown_metric_and_keeps_none_before_an_evaluation(tmp_path):
-    with pytest.raises(ValueError, match="evaluation has no metric 'reward/pass@8'"):
-        best_step(tmp_path, {0: summary_with("reward/mean", 0.5)}, "reward/pass@8")
+def test_best_checkpoint_passes_over_evaluations_without_its_metric(tmp_path):
+    # The config's checks name an unknown metric before any actor starts; at run time an
+    # evaluation lacks it only where its reward failed on every completion.
+    assert best_step(tmp_path, {0: summary_with("reward/mean", 0.5)}, "reward/pass@8") is None
     assert best_step(tmp_path, {}, "reward/mean") is None
 
 
@@ -416,3 +417,29 @@ def test_fully_scored_leaves_out_every_completion_of_a_prompt_a_reward_failed_on
     assert left_out == [1, 2, 3]
     assert [s.prompt_id for s in kept] == [0, 0, 4]
     assert ev.fully_scored(kept) == (kept, [])
+
+
+def test_a_reward_failing_on_every_held_out_completion_costs_its_metrics_not_the_run(caplog):
+    from rlray.config import EvalConfig
+    from rlray.core.stats import EvalResult
+    from rlray.driver.evaluation import summarize_evaluation
+
+    result = EvalResult(0.5, 0, [])
+    samples = [
+        EvalSample(p, float(p % 2), {"broken": None, "exact": float(p % 2)}, greedy=True)
+        for p in range(4)
+    ]
+    with caplog.at_level("WARNING"):
+        evaluation = summarize_evaluation("step 0", result, samples, EvalConfig())
+    assert evaluation.rewards_failed == ["broken"] and evaluation.prompts_left_out == 0
+    assert {n: m.value for n, m in evaluation.summary.metrics.items()} == {
+        "reward/greedy_accuracy": 0.5,
+        "exact/greedy_accuracy": 0.5,
+    }
+    assert "reward broken failed on every held-out completion" in caplog.text
+    # Every reward failed everywhere: exact match stands alone, and the run goes on.
+    nothing = [EvalSample(p, None, {"broken": None}, greedy=True) for p in range(4)]
+    evaluation = summarize_evaluation("step 0", result, nothing, EvalConfig())
+    assert evaluation.summary.metrics == {} and evaluation.record()["eval_accuracy"] == 0.5
+    best = BestCheckpoint("unused", "reward/greedy_accuracy", before_step=1)
+    assert not best.improves({})

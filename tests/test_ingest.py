@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 import pytest
-from aiohttp import web
 
+from rlray.cluster.serving import ThreadedServer
 from rlray.config import Config, ConfigError, RewardSpec, validate
 from rlray.core.episode import ModelLimits
 from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer
@@ -52,18 +51,10 @@ def endpoint(tmp_path):
         buffer.add(BufferedBatch([trainable], -1, len(trainable), -1, batch_id=0, external=True))
         return {e.episode_id for e in trainable}
 
-    service = IngestService(TOKEN, score, save, enqueue)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(service, max_body_bytes=4096))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield Endpoint(f"http://127.0.0.1:{port}", service, store, buffer)
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=30)
+    service = IngestService(TOKEN, score, save, enqueue, ledger=tmp_path / "ledger")
+    server = ThreadedServer(make_app(service, max_body_bytes=4096), "127.0.0.1", 0)
+    yield Endpoint(server.url, service, store, buffer)
+    server.stop()
 
 
 def request(url: str, body: bytes | None = None, token: str | None = TOKEN) -> tuple[int, dict]:
@@ -155,6 +146,7 @@ def test_a_retried_post_is_neither_stored_nor_queued_twice(endpoint):
             "episodes[0].spans[0].kind: expected one of",
         ),
         (json.dumps(episode("e", completion="x" * 5000)), 413, "body over the limit of 4096 bytes"),
+        (b"[" * 2000 + b"]" * 2000, 400, "body is nested too deeply"),
     ],
     ids=[
         "malformed",
@@ -166,6 +158,7 @@ def test_a_retried_post_is_neither_stored_nor_queued_twice(endpoint):
         "unknown",
         "span",
         "oversized",
+        "nested-too-deep",
     ],
 )
 def test_bad_requests_get_a_4xx_with_a_message(endpoint, body, status, message):
@@ -174,6 +167,23 @@ def test_bad_requests_get_a_4xx_with_a_message(endpoint, body, status, message):
     assert got_status == status
     assert message in answer["error"]
     assert request(f"{endpoint.url}/v1/health")[0] == 200  # still serving
+
+
+def test_a_service_started_again_on_its_ledger_stores_a_retry_once(endpoint, tmp_path):
+    """A restarted endpoint reads back the ids its earlier process accepted: the retry
+    of a POST whose answer was lost with that process is a duplicate."""
+    payload = [episode("before", reward=1.0), episode("also", reward=0.0)]
+    assert post(endpoint, payload)[1]["accepted"] == 2
+    stored = []
+
+    async def save(episodes):
+        stored.extend(episodes)
+
+    again = IngestService(TOKEN, None, save, None, ledger=endpoint.service.ledger)
+    body = json.dumps({"episodes": [*payload, episode("new", reward=1.0)]}).encode()
+    answer = asyncio.run(again.ingest(body))
+    assert (answer["accepted"], answer["duplicates"]) == (1, 2)
+    assert [e.episode_id for e in stored] == ["new"]
 
 
 def test_requests_without_the_token_are_refused(endpoint):
@@ -236,6 +246,12 @@ def test_binding_beyond_loopback_needs_a_token(monkeypatch):
             "spans[0].colour: unknown field",
         ),
         ({"spans": ["x"]}, "episodes[0].spans[0]: expected an object, got str"),
+        (
+            {"policy_version": -5},
+            "episodes[0].policy_version: -5 is neither -1 (made elsewhere) nor a version of "
+            "this run's policy (0 to 0)",
+        ),
+        ({"policy_version": 10**15}, "episodes[0].policy_version: 1000000000000000 is neither"),
     ],
 )
 def test_values_the_store_or_learner_would_crash_on_get_a_400(endpoint, fields, message):
@@ -280,6 +296,14 @@ def test_episodes_the_model_cannot_take_get_a_400():
             "context window (model.max_model_len=8)",
         ),
         (episode("r", reward=1e300), "episodes[0].reward: 1e+300 is beyond ±1e+15"),
+        (
+            episode("l", reward=1.0, completion_token_ids=[3, 4], rollout_logprobs=[-0.5]),
+            "episodes[0].rollout_logprobs: 1 entries for 2 completion tokens",
+        ),
+        (
+            episode("m", reward=1.0, completion_token_ids=[3], rollout_logprobs=[0.5]),
+            "episodes[0].rollout_logprobs: 0.5 is not a log-probability",
+        ),
     ]
     for body, message in cases:
         with pytest.raises(IngestError) as caught:
@@ -295,7 +319,9 @@ def test_the_ingest_actor_checks_posted_episodes_against_the_runs_model(caplog):
 
     path = resolve_model_path(Config().model.path)
     limits = model_limits(path, 8)
-    actor = IngestActor(IngestConfig(train=True), "", path, [], None, None, limits)
+    config = IngestConfig(train=True, port=free_port())
+    actor = IngestActor(config, "", path, [], None, None, limits)
+    actor.server.stop()  # it serves from its constructor; this test calls its service
     # Posted without token ids: tokenized (a character each, <eos> last), then checked.
     long = episode("long", prompt="12+34=", completion="46+1", reward=1.0)
     with pytest.raises(IngestError, match=r"6 prompt \+ 5 completion tokens exceed the context"):
@@ -303,6 +329,14 @@ def test_the_ingest_actor_checks_posted_episodes_against_the_runs_model(caplog):
     out_of_vocab = episode("v", reward=1.0, prompt_token_ids=[1], completion_token_ids=[20])
     with pytest.raises(IngestError, match=r"token id 20 is outside the model's vocabulary"):
         asyncio.run(actor.service.ingest(json.dumps(out_of_vocab).encode()))
+    # Token ids that read as another text than the one posted with them.
+    forged = episode("f", reward=1.0, prompt="1+1=", completion="2")
+    token_ids = actor.service.tokenize.tokenizer(["9*9=", "2"]).input_ids
+    forged |= {"prompt_token_ids": token_ids[0], "completion_token_ids": token_ids[1]}
+    with pytest.raises(IngestError, match=r"prompt_token_ids: read as '9\*9=', not as the"):
+        asyncio.run(actor.service.ingest(json.dumps(forged).encode()))
+    forged["prompt"] = "9*9="
+    actor.service.check_tokens(parse_episodes(json.dumps(forged).encode()))  # they agree
     posted = [episode(f"e{i}", prompt=f"1+1= été {i}", completion="2") for i in range(3)]
     with caplog.at_level("WARNING", logger="rlray.episodes.ingest"):
         actor.service.tokenize(parse_episodes(json.dumps(posted).encode()))

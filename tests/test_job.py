@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -55,11 +56,27 @@ def five_step_runs(job_env, tmp_path_factory):
     done = dict(zip(runs, results, strict=True))
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
+    plant_truncated_checkpoint(root / "resumed", 4)
     resume = ["--resume", str(root / "resumed"), "--learner.steps", "5"]
     resume += ["--learner.num_workers", "1", "--rollout.weight_sync", "object_store"]
     done["resume"] = run_job(resume, job_env)
     assert done["resume"].returncode == 0, done["resume"].stderr[-3000:]
     return root, done
+
+
+def plant_truncated_checkpoint(run_dir: Path, version: int) -> Path:
+    """Copies the run's latest checkpoint as the newer `version`, its weights truncated
+    as a crash or a full disk leaves them, and points checkpoints/latest at it; returns
+    the truncated file."""
+    root = run_dir / "checkpoints"
+    copy = root / f"step-{version:06d}"
+    shutil.copytree(root / (root / "latest").read_text().strip(), copy)
+    state = json.loads((copy / "state.json").read_text())
+    (copy / "state.json").write_text(json.dumps({**state, "version": version, "step": version}))
+    weights = copy / "policy" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (root / "latest").write_text(copy.name)
+    return weights
 
 
 def stored_episodes(run_dir: Path) -> list:
@@ -240,10 +257,14 @@ def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(five_step_run
 
 @pytest.mark.slow
 def test_resumed_run_continues_where_it_stopped(five_step_runs):
-    root, _ = five_step_runs
+    root, done = five_step_runs
     resumed = metrics(root / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
     assert resumed[3]["policy_version"] == 4
+    # It resumed from step 3, past the newer checkpoint whose weights were truncated,
+    # and said which file it found wrong.
+    truncated = root / "resumed" / "checkpoints" / "step-000004" / "policy" / "model.safetensors"
+    assert f"skipped checkpoint step-000004: {truncated} has 1000 bytes" in done["resume"].stderr
     # Model, optimizer, RNG and prompt cursor all came back, from the group of 2 into
     # 1 learner (the optimizer state resharded): the resumed steps are the steps the
     # uninterrupted run took (up to the group's summation order).

@@ -38,6 +38,10 @@ def nan_or_none(prompts, completions, **kwargs):
     return [math.nan if c == "nan" else None if c == "none" else 0.5 for c in completions]
 
 
+def huge(prompts, completions, **kwargs):
+    return [1e300 if c == "huge" else 10**400 if c == "bigint" else 1e14 for c in completions]
+
+
 def slow(prompts, completions, **kwargs):
     time.sleep(30)
     return [1.0] * len(completions)
@@ -206,6 +210,22 @@ def test_drop_episode_policy_leaves_failed_episodes_without_reward(user_file):
     assert stats.dropped == 2
     assert stats.failures == {f"{user_file}:nan_or_none": 2}
     assert component_means(scored) == {f"{user_file}:nan_or_none": 0.5}
+
+
+def test_a_finite_score_the_learner_cannot_take_is_that_rewards_failure(user_file, caplog):
+    """1e300 is finite, but float32 statistics of it overflow: it fails like NaN, and a
+    weighted total beyond ±1e15 fails the component that put it there."""
+    huge = spec(user_file, "huge", weight=20.0)
+    worker = RewardWorker("reward-0", [huge, spec(user_file, "Scaled", kwargs={"factor": 1.0})])
+    with caplog.at_level(logging.WARNING):
+        scored, stats = worker.score(episodes("huge", "bigint", "ok"))
+    # 20 x 1e14 = 2e15 is beyond the limit too: the weighted score fails as well.
+    assert [e.reward_components[huge.name] for e in scored] == [None, None, None]
+    assert [e.reward for e in scored] == [4.0, 6.0, 2.0]  # the other component's
+    assert stats.failures[huge.name] == 3
+    assert "returned 1e+300" in caplog.text
+    within = RewardWorker("reward-0", [spec(user_file, "huge", weight=5.0)])
+    assert within.score(episodes("fine"))[0][0].reward == 5e14
 
 
 def test_timed_out_reward_fails_its_batch_and_the_worker_goes_on(user_file):

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
-from aiohttp import web
 
 from rlray.cluster.calls import ActorRestarted, _restarted, resolve_episodes
+from rlray.cluster.serving import EndpointUnavailable, ThreadedServer, remote_result
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import IngestConfig, StoreConfig
 from rlray.core.episode import Episode, ModelLimits
@@ -24,7 +24,14 @@ from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult, ScoreStats, StoreStats
 from rlray.data.models import load_tokenizer
 from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
-from rlray.episodes.ingest import EXTERNAL_POLICY_VERSION, IngestService, TokenIds, make_app
+from rlray.episodes.ingest import (
+    EXTERNAL_POLICY_VERSION,
+    IngestError,
+    IngestService,
+    TokenIds,
+    make_app,
+    store_key,
+)
 from rlray.episodes.store import mark_trained, open_store
 from rlray.rewards.worker import RewardWorker
 from rlray.rollout.worker import RolloutWorker
@@ -141,6 +148,20 @@ class BufferActor(EpisodeBuffer):
         super().add(batch, reserved)
         self.telemetry.set("rlray_buffer_depth", self.depth_episodes)
 
+    def add_external(self, episodes: list[Episode], policy_version: int) -> None:
+        """Adds posted episodes, whose room was reserved, as an external batch; this
+        process puts them in the object store, so they outlive the endpoint that
+        posted them."""
+        batch = BufferedBatch(
+            ref=[ray.put(episodes)],
+            policy_version=policy_version,
+            num_episodes=len(episodes),
+            first_prompt_index=-1,
+            batch_id=-1,
+            external=True,
+        )
+        self.add(batch)
+
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
         self._check_restored()
         taken = super().take(num_episodes, learner_version)
@@ -189,9 +210,12 @@ class StoreActor:
 
 
 class IngestActor:
-    """The ingestion endpoint (rlray.episodes.ingest) in its own async actor: posted
-    episodes are scored by the run's reward actors, stored by its store and, with
-    ingest.train, queued in its buffer."""
+    """The ingestion endpoint (rlray.episodes.ingest) as an endpoint actor
+    (rlray.cluster.serving): it serves from its constructor, so Ray's restart of it
+    serves again on the same host and port. Posted episodes are scored by the run's
+    reward actors, stored by its store (a keyed append) and, with ingest.train, queued
+    in its buffer; accepted ids go to a ledger in the run directory, which a restarted
+    endpoint reads back."""
 
     def __init__(
         self,
@@ -202,48 +226,62 @@ class IngestActor:
         store: Any,
         buffer: Any = None,
         limits: ModelLimits | None = None,
+        ledger: str | None = None,
     ):
         self.config = config
         self.rewards, self.store, self.buffer = rewards, store, buffer
         self.step = 0
         self.next_reward = 0
         enqueue = self._enqueue if config.train and buffer is not None else None
-        tokenize = TokenIds(load_tokenizer(model_path)) if config.train else None
-        self.service = IngestService(token, self._score, self._store, enqueue, limits, tokenize)
+        # Posted episodes are trained on with their token ids: those must be the text's.
+        tokens = TokenIds(load_tokenizer(model_path)) if config.train else None
+        self.service = IngestService(
+            token,
+            self._score,
+            self._store,
+            enqueue,
+            limits,
+            tokens,
+            Path(ledger) if ledger else None,
+            tokens.check_texts if tokens else None,
+        )
+        app = make_app(self.service, config.max_body_bytes)
+        self.server = ThreadedServer(app, config.host, config.port)
 
-    async def start(self) -> str:
-        """Starts serving; returns the endpoint's URL."""
-        app = make_app(self.service, self.config.max_body_bytes)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, self.config.host, self.config.port).start()
-        return f"http://{self.config.host}:{self.config.port}/v1/episodes"
+    def url(self) -> str:
+        """Returns the endpoint's URL (it serves from the constructor on)."""
+        return f"{self.server.url}/v1/episodes"
 
     def set_step(self, step: int) -> None:
-        """The learner step whose reward weights score posted episodes."""
+        """The learner step: its reward weights score posted episodes, and its policy
+        version is the newest a posted episode may claim."""
         self.step = step
+        self.service.policy_version = step
 
     async def _score(self, episodes: list[Episode]) -> list[Episode]:
         reward = self.rewards[self.next_reward % len(self.rewards)]
         self.next_reward += 1
-        scored, _ = await reward.score.remote(episodes, self.step)
+        scored, _ = await _needed(reward.score.remote(episodes, self.step))
         return scored
 
     async def _store(self, episodes: list[Episode]) -> None:
-        await self.store.append_episodes.remote(episodes)
+        await _needed(self.store.append_episodes.remote(episodes, store_key(episodes)))
 
     async def _enqueue(self, episodes: list[Episode]) -> set[str]:
-        """Queues posted episodes for training if the buffer has room; returns their ids."""
+        """Queues posted episodes for training if the buffer has room; returns their ids.
+        The buffer actor puts them in the object store: they are its, not this
+        endpoint's, and outlive this endpoint's process."""
         trainable = [e for e in episodes if e.reward is not None]
-        if not trainable or not await self.buffer.reserve.remote(len(trainable)):
+        if not trainable or not await _needed(self.buffer.reserve.remote(len(trainable))):
             return set()
-        batch = BufferedBatch(
-            ref=[ray.put(trainable)],
-            policy_version=EXTERNAL_POLICY_VERSION,
-            num_episodes=len(trainable),
-            first_prompt_index=-1,
-            batch_id=-1,
-            external=True,
-        )
-        await self.buffer.add.remote(batch)
+        await _needed(self.buffer.add_external.remote(trainable, EXTERNAL_POLICY_VERSION))
         return {e.episode_id for e in trainable}
+
+
+async def _needed(ref: Any) -> Any:
+    """Returns the result of a call the endpoint needs; a dead or restarting actor
+    answers the client 503."""
+    try:
+        return await remote_result(ref)
+    except EndpointUnavailable as err:
+        raise IngestError(503, f"{err}; retry") from None

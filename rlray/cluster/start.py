@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -16,6 +17,7 @@ from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, role_resources
 from rlray.cluster.roles import BufferActor, IngestActor, RewardActor, RolloutActor, StoreActor
+from rlray.cluster.serving import endpoint_options
 from rlray.config import Config, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.data.models import model_limits
@@ -57,6 +59,11 @@ class Actors:
             *zip(learners.names, learners.handles, strict=True),
         ]
 
+    def restart_counts(self) -> dict[str, int]:
+        """Returns how many times Ray restarted each actor, by name: Ray's own record
+        (its control store's), so one death is one restart however many calls it failed."""
+        return {name: restart_count(handle) for name, handle in self.all()}
+
     def kill(self) -> None:
         """Stops every actor (their names become free for the next run) and gives their
         placement groups back."""
@@ -65,6 +72,13 @@ class Actors:
         if self.placement is not None:
             self.placement.release()
         _wait_until_names_free([name for name, _ in self.all()], timeout_s=60)
+
+
+def restart_count(handle: Any) -> int:
+    """Returns how many times Ray restarted the actor behind `handle`."""
+    from ray._private import state  # Ray's public state API needs the dashboard running
+
+    return int(state.actors(actor_id=handle._actor_id.hex()).get("NumRestarts", 0))
 
 
 def _wait_until_names_free(names: list[str], timeout_s: float) -> None:
@@ -327,13 +341,16 @@ def local_pids(processes: dict[str, dict[str, Any]]) -> list[int]:
     return [p["pid"] for p in processes.values() if p["node"] == here]
 
 
-def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: float) -> str:
-    """Starts the ingestion endpoint as the `ingest` actor; returns its URL."""
+def start_ingest(
+    config: Config, actors: Actors, model_path: str, run_dir: str, timeout_s: float
+) -> str:
+    """Starts the ingestion endpoint as the `ingest` endpoint actor (restarted by Ray
+    on this node whenever it dies); returns its URL."""
     token = ingest_token(config.ingest)
     limits = model_limits(model_path, config.model.max_model_len)  # checked in plan_run
     actors.ingest = (
         ray.remote(IngestActor)
-        .options(name="ingest", num_cpus=0, max_concurrency=64)
+        .options(**endpoint_options("ingest"))
         .remote(
             config.ingest,
             token,
@@ -342,6 +359,7 @@ def start_ingest(config: Config, actors: Actors, model_path: str, timeout_s: flo
             actors.store,
             actors.buffer,
             limits,
+            str(Path(run_dir) / "ingest" / "accepted-episode-ids"),
         )
     )
-    return wait_for(actors.ingest.start.remote(), "ingest", "start-up", timeout_s)
+    return wait_for(actors.ingest.url.remote(), "ingest", "start-up", timeout_s)

@@ -161,11 +161,38 @@ def load_yaml_file(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
+    except RecursionError:  # the YAML parser recurses once per level
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte at {err.start})") from None
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of config sections, got {type(data).__name__}"
         )
+    if _depth(data) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{path}: nested more than {MAX_CONFIG_DEPTH} levels deep")
     return data
+
+
+# A config's deepest value is a reward's kwargs (section, list, spec, kwargs, value...);
+# far deeper trees are mistakes, and would reach the recursion limit further on.
+MAX_CONFIG_DEPTH = 32
+
+
+def _depth(tree: Any) -> int:
+    """Returns how many mappings and lists deep `tree` nests (without recursing)."""
+    deepest, level = 0, [tree]
+    while level:
+        deepest += 1
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, (dict, list))
+        ]
+        if deepest > MAX_CONFIG_DEPTH:
+            break
+    return deepest
 
 
 def _checked(parse: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -203,6 +203,11 @@ class EpisodeError(ValueError):
     names the field (`episodes[3].prompt_token_ids[7]: ...`)."""
 
 
+MAX_ABS_REWARD = 1e15
+"""Largest |reward|. The learner computes in float32 (largest 3.4e38) and whitening sums
+squared rewards over a step's tokens: 1e15 leaves room for 1e8 tokens."""
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What the learner's model can take."""
@@ -211,9 +216,8 @@ class ModelLimits:
     """Token ids must be in [0, vocab_size): rows of the model's embedding."""
     max_model_len: int
     """Prompt plus completion tokens at most this many (model.max_model_len)."""
-    max_abs_reward: float = 1e15
-    """Largest |reward|. The learner computes in float32 (largest 3.4e38) and whitening
-    sums squared rewards over a step's tokens: 1e15 leaves room for 1e8 tokens."""
+    max_abs_reward: float = MAX_ABS_REWARD
+    """Largest |reward| (MAX_ABS_REWARD)."""
 
 
 def validate_episodes(
@@ -271,6 +275,22 @@ def _check_fits_model(episode: Episode, limits: ModelLimits, where: str) -> None
             f"{where}.reward: {episode.reward:g} is beyond ±{limits.max_abs_reward:g}, "
             "where the learner's float32 statistics overflow"
         )
+    _check_rollout_logprobs(episode, where)
+
+
+def _check_rollout_logprobs(episode: Episode, where: str) -> None:
+    """Raises EpisodeError unless the behaviour logprobs are absent or one per completion
+    token, each a log-probability (at most 0, give or take an engine's rounding)."""
+    logprobs = episode.rollout_logprobs
+    if not logprobs:
+        return
+    if len(logprobs) != len(episode.completion_token_ids):
+        raise EpisodeError(
+            f"{where}.rollout_logprobs: {len(logprobs)} entries for "
+            f"{len(episode.completion_token_ids)} completion tokens"
+        )
+    if (largest := max(logprobs)) > 1e-3:
+        raise EpisodeError(f"{where}.rollout_logprobs: {largest:g} is not a log-probability")
 
 
 def _check_completion_mask(episode: Episode, where: str) -> None:

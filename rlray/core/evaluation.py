@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -215,6 +215,21 @@ def fully_scored(samples: Sequence[EvalSample]) -> tuple[list[EvalSample], list[
     }
     kept = [s for s in samples if s.prompt_id not in failed]
     return kept, [p for p in dict.fromkeys(s.prompt_id for s in samples) if p in failed]
+
+
+def components_failed_everywhere(samples: Sequence[EvalSample]) -> list[str]:
+    """Returns the reward components that have no score on any of the samples: a reward
+    that fails on everything (its failures are counted by the reward worker)."""
+    names = dict.fromkeys(name for s in samples for name in s.components)
+    return [n for n in names if samples and not any(_finite(s.components[n]) for s in samples)]
+
+
+def without_components(samples: Sequence[EvalSample], names: Sequence[str]) -> list[EvalSample]:
+    """Returns the samples with the named components left out."""
+    return [
+        replace(s, components={k: v for k, v in s.components.items() if k not in names})
+        for s in samples
+    ]
 
 
 def _finite(value: float | None) -> bool:

@@ -74,7 +74,7 @@ class CollectDriver:
             episodes_per_second=tally.episodes / wall,
             store=store,
             run_dir=str(self.plan.run_dir),
-            actor_restarts=dict(self.recovery.restarts),
+            actor_restarts=self.recovery.count_restarts(),
         )
 
     def _store(self, item: InFlight) -> None:

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.config import EvalConfig
 from rlray.core.checkpoints import BEST
-from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
+from rlray.core.evaluation import (
+    EvalSample,
+    EvalSummary,
+    components_failed_everywhere,
+    fully_scored,
+    summarize,
+    without_components,
+)
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult
 from rlray.driver.recovery import Recovery
@@ -34,6 +40,8 @@ class Evaluation:
     """Every metric (rlray.evaluation.summarize) with its standard error."""
     prompts_left_out: int
     """Held-out prompts left out because a reward failed on one of their completions."""
+    rewards_failed: list[str] = field(default_factory=list)
+    """Reward components that failed on every held-out completion: left out of the metrics."""
 
     def record(self) -> dict[str, Any]:
         """Returns the evaluation's fields of a metrics.jsonl line."""
@@ -44,6 +52,7 @@ class Evaluation:
             "eval": {name: m.value for name, m in metrics.items()},
             "eval_stderr": {name: m.stderr for name, m in metrics.items()},
             "eval_prompts_left_out": self.prompts_left_out,
+            "eval_rewards_failed": self.rewards_failed,
         }
 
 
@@ -51,26 +60,39 @@ def summarize_evaluation(
     model: str, result: EvalResult, samples: list[EvalSample], settings: EvalConfig
 ) -> Evaluation:
     """Returns the evaluation of `model` from its exact-match result and its scored
-    held-out completions. Prompts a reward failed on are left out (and logged); raises
-    ActorFailure if fewer than 2 prompts are left to evaluate on."""
-    kept, left_out = fully_scored(samples)
+    held-out completions. A reward that failed on every completion is left out of the
+    metrics, and prompts another reward failed on are left out (each logged); with fewer
+    than 2 prompts left, the evaluation has exact match only. A failing reward costs its
+    own scores, never the run."""
+    failed = components_failed_everywhere(samples)
+    if failed:
+        logger.warning(
+            "warning: evaluation of %s: reward %s failed on every held-out completion; "
+            "its metrics are left out (the reward worker's log has its first error)",
+            model,
+            ", ".join(failed),
+        )
+    kept, left_out = fully_scored(without_components(samples, failed))
     prompts = len({s.prompt_id for s in samples})
     if left_out:
         logger.warning(
-            "evaluation of %s: %d of %d held-out prompts left out: a reward failed on one "
-            "of their completions",
+            "warning: evaluation of %s: %d of %d held-out prompts left out: a reward failed "
+            "on one of their completions",
             model,
             len(left_out),
             prompts,
         )
-    if prompts - len(left_out) < 2:
-        raise ActorFailure(
-            f"evaluation of {model}: rewards failed on {len(left_out)} of {prompts} "
-            "held-out prompts; fewer than 2 are left to evaluate on"
-        )
     ks = settings.pass_k if settings.samples else []
-    summary = summarize(model, kept, ks, settings.pass_threshold)
-    return Evaluation(result, summary, len(left_out))
+    if prompts - len(left_out) >= 2:
+        summary = summarize(model, kept, ks, settings.pass_threshold)
+    else:
+        logger.warning(
+            "warning: evaluation of %s: fewer than 2 held-out prompts have every score; "
+            "it has no reward metrics",
+            model,
+        )
+        summary = EvalSummary(model, (), 0, settings.pass_threshold, {})
+    return Evaluation(result, summary, len(left_out), failed)
 
 
 class Evaluator:
@@ -131,13 +153,10 @@ class BestCheckpoint:
                 self.best = kept
 
     def improves(self, metrics: dict[str, Any]) -> bool:
-        """Returns True if an evaluation's metrics (name: value) beat the best so far."""
-        if not self.metric:
+        """Returns True if an evaluation's metrics (name: value) beat the best so far; an
+        evaluation without the metric (its reward failed) does not."""
+        if not self.metric or self.metric not in metrics:
             return False
-        if self.metric not in metrics:
-            raise ValueError(
-                f"evaluation has no metric {self.metric!r}; it has {', '.join(metrics)}"
-            )
         return self.best is None or metrics[self.metric] > self.best["value"]
 
     def record(

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from rlray.config import Config, ConfigError, config_to_dict, eval_rewards
-from rlray.core.checkpoints import checkpoint_version, latest_checkpoint
+from rlray.core.checkpoints import checkpoint_version, find_checkpoint, latest_checkpoint
 from rlray.core.episode import ModelLimits
 from rlray.core.prompt import PromptRow
 from rlray.data.models import model_limits, read_prompts, resolve_model_path
@@ -70,11 +70,7 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     checks that every prompt fits the context window and that reward functions load.
     The cheap checks (checkpoint, run directory) come first.
     """
-    checkpoint = None
-    if resume_dir is not None:
-        checkpoint = latest_checkpoint(resume_dir)
-        if checkpoint is None:
-            raise ConfigError(f"--resume: no complete checkpoint under {resume_dir}/checkpoints")
+    checkpoint = None if resume_dir is None else resume_checkpoint(resume_dir)
     run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_writable(run_dir)
     prompts = train_prompts(config.data, config.seed)
@@ -99,6 +95,18 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
             logger.warning("warning: %s", warning)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def resume_checkpoint(run_dir: Path) -> Path:
+    """Returns the run's newest checkpoint that verifies, warning of each newer one it
+    skipped; raises ConfigError when none verifies."""
+    search = find_checkpoint(run_dir)
+    if search.checkpoint is None:
+        found = f": {'; '.join(search.skipped)}" if search.skipped else ""
+        raise ConfigError(f"--resume: no complete checkpoint under {run_dir}/checkpoints{found}")
+    for line in search.skipped:
+        logger.warning("warning: --resume skipped checkpoint %s", line)
+    return search.checkpoint
 
 
 def check_eval_rows(config: Config, rows: list[PromptRow]) -> None:
@@ -137,8 +145,27 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def write_config(plan: RunPlan) -> None:
-    """Creates the run directory and writes config.yaml (a resumed run keeps its own)."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    """Creates the run directory, readable by its owner only (it holds checkpoints and
+    every episode), and writes config.yaml, secrets left out (a resumed run keeps its
+    own); raises ConfigError naming the path it cannot write."""
+    create_run_directory(plan.run_dir)
     target = plan.run_dir / "config.yaml"
     if plan.checkpoint is None or not target.exists():
-        target.write_text(yaml.safe_dump(config_to_dict(plan.config), sort_keys=False))
+        text = yaml.safe_dump(config_to_dict(plan.config), sort_keys=False)
+        try:
+            target.touch(mode=0o600)
+            target.write_text(text)
+        except OSError as err:
+            raise ConfigError(f"run_dir: cannot write {target}: {err.strerror}") from None
+
+
+def create_run_directory(run_dir: Path) -> None:
+    """Creates the run directory readable by its owner only (it holds checkpoints, every
+    episode and the config); raises ConfigError naming the path it cannot make."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.chmod(0o700)
+    except OSError as err:
+        raise ConfigError(
+            f"run_dir: cannot create {err.filename or run_dir}: {err.strerror}"
+        ) from None

@@ -63,11 +63,19 @@ class Recovery:
             raise ActorFailure(f"learner died; {failure}", died=True) from failure
         logger.warning("%s; waiting for Ray to restart %s", failure, name)
         self._wait_until_up(name, failure)
-        self.restarts[name] = self.restarts.get(name, 0) + 1
         restore = self.restorers.get(_role(name))
         if restore is not None:
             restore(name)
-        logger.warning("%s restarted (restart %d of this run)", name, self.restarts[name])
+        self.count_restarts()  # one death fails every call in flight: count it once
+
+    def count_restarts(self) -> dict[str, int]:
+        """Returns Ray's count of each actor's restarts in this run, logging each new one
+        (an endpoint's too, which no call of the driver may meet)."""
+        for name, count in self.actors.restart_counts().items():
+            if count > self.restarts.get(name, 0):
+                self.restarts[name] = count
+                logger.warning("%s restarted (restart %d of this run)", name, count)
+        return dict(self.restarts)
 
     def _wait_until_up(self, name: str, failure: ActorFailure) -> None:
         """Waits until the restarted actor answers; raises, naming it, if Ray gave up."""

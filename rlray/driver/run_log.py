@@ -114,10 +114,12 @@ class RunLog:
 
     def _evaluated(self, step: int, evaluation: Evaluation, checkpoint: str | None) -> None:
         metrics = evaluation.summary.metrics
-        shown = self.best.metric or next(iter(metrics))
-        metric = (shown, metrics[shown].value, metrics[shown].stderr)
+        shown = self.best.metric or next(iter(metrics), None)
+        metric = None
+        if shown in metrics:  # not where its reward failed on every completion
+            metric = (shown, metrics[shown].value, metrics[shown].stderr)
         self.progress.evaluated(step, evaluation.result, metric)
-        if self.best.improves(_values(evaluation)):
+        if metric is not None and self.best.improves(_values(evaluation)):
             self.best.record(step, metric[1], metric[2], checkpoint, self.plan.model_path)
 
     def summary(self) -> RunSummary:

@@ -186,7 +186,7 @@ class TrainingDriver:
             "worker_policy_versions": tally.per_worker_version,
             "tool_calls": tally.tool_calls,
             "tool_call_success_rate": tally.tool_call_success_rate(),
-            "actor_restarts": dict(self.recovery.restarts),
+            "actor_restarts": self.recovery.count_restarts(),
         }
 
     def _start_training(self, taken: TakenBatches) -> Any:

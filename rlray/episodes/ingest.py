@@ -17,12 +17,14 @@ sits next to the other actors (`ingest`), and the code is ~200 lines we can read
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -72,6 +74,8 @@ def parse_episodes(body: bytes) -> list[Episode]:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise IngestError(400, f"body is not valid JSON: {err}") from None
+    except RecursionError:  # the decoder recurses once per level
+        raise IngestError(400, "body is nested too deeply") from None
     items = data.get("episodes") if isinstance(data, dict) and "episodes" in data else data
     if isinstance(items, dict):
         items = [items]
@@ -149,7 +153,10 @@ class IngestService:
 
     With `limits` (the run's model), token ids must be in its vocabulary and prompt plus
     completion within its context window; `tokenize`, if given, first fills in the token
-    ids of episodes posted without them."""
+    ids of episodes posted without them, and `check_tokens` refuses token ids that
+    contradict their text. With a `ledger` (a file), the ids of accepted
+    episodes outlive the process: a service started again on the same ledger (a
+    restarted endpoint) still knows them, so a client's retry stores nothing twice."""
 
     def __init__(
         self,
@@ -159,12 +166,17 @@ class IngestService:
         enqueue: Enqueue | None,
         limits: ModelLimits | None = None,
         tokenize: Tokenize | None = None,
+        ledger: Path | None = None,
+        check_tokens: Tokenize | None = None,
     ):
         self.token = token
         self.score, self.store, self.enqueue = score, store, enqueue
-        self.limits, self.tokenize = limits, tokenize
-        self.seen: set[str] = set()
+        self.limits, self.tokenize, self.check_tokens = limits, tokenize, check_tokens
+        self.ledger = ledger
+        self.seen: set[str] = _read_ledger(ledger) if ledger is not None else set()
         self.counts = IngestCounts()
+        self.policy_version = 0
+        """The run's newest policy version: what a posted episode may claim at most."""
 
     def check_token(self, header: str | None) -> None:
         """Raises IngestError(401) unless the bearer token matches (when one is set)."""
@@ -177,6 +189,7 @@ class IngestService:
     async def ingest(self, body: bytes) -> dict[str, int]:
         """Handles one POST body; returns what happened to its episodes."""
         episodes = parse_episodes(body)
+        self.check_policy_versions(episodes)
         if self.tokenize is not None:
             self.tokenize(episodes)
         if self.limits is not None:
@@ -184,6 +197,8 @@ class IngestService:
                 validate_episodes(episodes, self.limits)
             except EpisodeError as err:
                 raise IngestError(400, str(err)) from None
+        if self.check_tokens is not None:
+            self.check_tokens(episodes)
         fresh = [e for e in _unique(episodes) if e.episode_id not in self.seen]
         duplicates = len(episodes) - len(fresh)
         self.seen.update(e.episode_id for e in fresh)  # claimed before any await
@@ -196,6 +211,8 @@ class IngestService:
         except Exception:
             self.seen.difference_update(e.episode_id for e in fresh)  # a retry may succeed
             raise
+        if self.ledger is not None:
+            _append_to_ledger(self.ledger, [e.episode_id for e in fresh])
         self.counts.accepted += len(fresh)
         self.counts.duplicates += duplicates
         self.counts.queued_for_training += len(queued)
@@ -206,14 +223,27 @@ class IngestService:
             "queued_for_training": len(queued),
         }
 
+    def check_policy_versions(self, episodes: list[Episode]) -> None:
+        """Raises IngestError(400) unless each episode was made elsewhere (version -1) or
+        by a policy version this run has had."""
+        for i, episode in enumerate(episodes):
+            version = episode.policy_version
+            if version != EXTERNAL_POLICY_VERSION and not 0 <= version <= self.policy_version:
+                raise IngestError(
+                    400,
+                    f"episodes[{i}].policy_version: {version} is neither -1 (made elsewhere) "
+                    f"nor a version of this run's policy (0 to {self.policy_version})",
+                )
+
     def health(self) -> dict[str, Any]:
         return {"status": "ok", **self.counts.__dict__}
 
 
 class TokenIds:
     """Gives episodes posted without token ids those of the model's tokenizer (checked
-    against the model's limits next); the first prompt that loses characters to the
-    tokenizer is logged, once."""
+    against the model's limits next), and refuses token ids posted with a text they do
+    not read as (`check_texts`); the first prompt that loses characters to the tokenizer
+    is logged, once."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -238,6 +268,52 @@ class TokenIds:
                     episode.episode_id,
                     lost[:40],
                 )
+
+    def check_texts(self, episodes: list[Episode]) -> None:
+        """Raises IngestError(400) unless each episode's token ids (in the vocabulary:
+        checked first) read as its text: the prompt's as the prompt, the completion's as
+        the completion (or, where a stop string was cut from the text, as text that begins
+        with it). Special tokens and spacing are left out of the comparison: tokenizers
+        differ in how they decode them."""
+        for i, episode in enumerate(episodes):
+            self._check_text(episode, f"episodes[{i}]")
+
+    def _check_text(self, episode: Episode, where: str) -> None:
+        for name, ids, text in (
+            ("prompt", episode.prompt_token_ids, episode.prompt),
+            ("completion", episode.completion_token_ids, episode.completion),
+        ):
+            decoded = self._visible(self.tokenizer.decode(ids, skip_special_tokens=True))
+            given = self._visible(text)
+            if decoded != given and not (name == "completion" and decoded.startswith(given)):
+                raise IngestError(
+                    400,
+                    f"{where}.{name}_token_ids: read as {decoded[:40]!r}, not as the "
+                    f"{name} {given[:40]!r}",
+                )
+
+    def _visible(self, text: str) -> str:
+        for special in self.tokenizer.all_special_tokens:
+            text = text.replace(special, "")
+        return "".join(text.split())
+
+
+def _read_ledger(ledger: Path) -> set[str]:
+    """Returns the episode ids an earlier process of the endpoint accepted."""
+    return set(ledger.read_text().split("\n")) - {""} if ledger.exists() else set()
+
+
+def _append_to_ledger(ledger: Path, ids: list[str]) -> None:
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with ledger.open("a") as file:  # one write: a line is whole or absent after a kill
+        file.write("".join(f"{episode_id}\n" for episode_id in ids))
+
+
+def store_key(episodes: list[Episode]) -> str:
+    """Returns the store append key of posted episodes: the same ids give the same key,
+    so that an append retried after the endpoint died, its answer lost, is stored once."""
+    ids = "\n".join(sorted(e.episode_id for e in episodes))
+    return "ingest-" + hashlib.sha256(ids.encode()).hexdigest()[:40]
 
 
 def _unique(episodes: list[Episode]) -> list[Episode]:
@@ -271,6 +347,13 @@ def make_app(service: IngestService, max_body_bytes: int) -> web.Application:
     return app
 
 
+RETRY_AFTER_S = 5
+"""What a 503 asks a client to wait before it retries (an actor restarts in seconds)."""
+
+
 def _refuse(service: IngestService, status: int, message: str) -> web.Response:
+    if status == 503:  # not the request's fault: a retry will do
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return web.json_response({"error": message}, status=status, headers=headers)
     service.counts.rejected += 1
     return web.json_response({"error": message}, status=status)

@@ -3,7 +3,8 @@
 A plain class: tests construct it in-process; rlray.cluster runs it as `reward-<i>`.
 The reward functions run in a child process (rlray.rewards.process), so reward code that
 exits or crashes fails its call instead of ending the worker. A component that raises,
-exits, times out or gives NaN/None for an episode fails for that episode only: a batch
+exits, times out, or gives None, NaN or a score beyond ±MAX_ABS_REWARD (1e15: the
+learner computes in float32) for an episode fails for that episode only: a batch
 call that fails is retried one episode at a time to find which. Failures are counted per
 component; the first of each is logged with its episode id.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlray.config import RewardSpec
-from rlray.core.episode import Episode
+from rlray.core.episode import MAX_ABS_REWARD, Episode
 from rlray.core.evaluation import EvalEpisodes, EvalSample
 from rlray.core.groups import group_key, split_uniform_groups
 from rlray.core.stats import ScoreStats
@@ -71,7 +72,7 @@ class RewardWorker:
                         failures[spec.name] += 1
                         self._log_first(spec.name, episode.episode_id, error)
         now = time.time()
-        dropped = sum(self._set_total(e, step) for e in episodes)
+        dropped = sum(self._set_total(e, step, failures) for e in episodes)
         for episode in episodes:
             episode.scored_at = now
         total = sum(e.reward for e in episodes if e.reward is not None)
@@ -118,13 +119,24 @@ class RewardWorker:
             )
         return self._eval_worker
 
-    def _set_total(self, episode: Episode, step: int) -> bool:
-        """Sets the weighted total; returns True if the episode is dropped instead."""
-        values = [(s, episode.reward_components[s.name]) for s in self.specs]
-        if self.drop_on_failure and any(value is None for _, value in values):
+    def _set_total(self, episode: Episode, step: int, failures: dict[str, int]) -> bool:
+        """Sets the weighted total; returns True if the episode is dropped instead. A
+        component whose weighted score puts the total beyond ±MAX_ABS_REWARD fails."""
+        weighted = {
+            s.name: scheduled_weight(s, step) * episode.reward_components[s.name]
+            for s in self.specs
+            if episode.reward_components[s.name] is not None
+        }
+        while weighted and abs(sum(weighted.values())) > MAX_ABS_REWARD:
+            name = max(weighted, key=lambda n: abs(weighted[n]))
+            del weighted[name]
+            episode.reward_components[name] = None
+            failures[name] += 1
+            self._log_first(name, episode.episode_id, "its weighted score is beyond the limit")
+        if self.drop_on_failure and len(weighted) < len(self.specs):
             episode.reward = None
             return True
-        episode.reward = sum(scheduled_weight(s, step) * v for s, v in values if v is not None)
+        episode.reward = sum(weighted.values())
         return False
 
     def _component_scores(self, index: int, episodes: list[Episode]) -> ComponentScores:
@@ -193,7 +205,12 @@ def checked_scores(raw: Any, count: int) -> ComponentScores:
 
 
 def _as_float(score: Any) -> float | None:
+    """Returns a score as a float; None for what the learner cannot take: a non-number,
+    NaN, an infinity, or a finite value beyond ±MAX_ABS_REWARD (float32 overflows)."""
     if isinstance(score, bool) or not isinstance(score, (int, float)):
         return None
-    value = float(score)
-    return value if math.isfinite(value) else None
+    try:
+        value = float(score)
+    except OverflowError:  # an int beyond float
+        return None
+    return value if math.isfinite(value) and abs(value) <= MAX_ABS_REWARD else None
