@@ -16,6 +16,7 @@ from rlray.config import (
     LearnerConfig,
     build_parser,
     config_to_dict,
+    ingest_token,
     parse_command_line,
     validate,
     weight_sync,
@@ -214,6 +215,15 @@ def test_missing_config_file_is_named(tmp_path):
             r"algorithm.kl_mode reward with advantage grpo: dividing by a group's reward std",
         ),
         (
+            ["--algorithm.kl_coef", "0.05", "--algorithm.kl_estimator", "k3"],
+            r"^algorithm.kl_estimator k3 with kl_mode reward is not a KL penalty: .* use k1 "
+            r"\(or kl_mode loss with k2 or k3\)$",
+        ),
+        (
+            ["--algorithm.kl_coef", "0.05", "--algorithm.kl_estimator", "k2"],
+            r"^algorithm.kl_estimator k2 with kl_mode reward is not a KL penalty",
+        ),
+        (
             ["--algorithm.advantage", "rloo", "--rollout.samples_per_prompt", "1"],
             r"rollout.samples_per_prompt must be >= 2 for algorithm.advantage rloo",
         ),
@@ -349,3 +359,21 @@ def test_config_yaml_round_trips_through_resume(tmp_path):
     ).config
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
     assert parse_command_line(["--resume", str(tmp_path)]).config == config
+
+
+def test_tokens_stay_out_of_the_run_directory_which_only_its_owner_reads(tmp_path, monkeypatch):
+    from rlray.driver.plan import RunPlan, write_config
+
+    run_dir = tmp_path / "runs" / "secret"
+    command = parse_command_line(["--run-dir", str(run_dir), "--ingest.token", "s3cr3t-t0ken"])
+    assert command.config.ingest.token == "s3cr3t-t0ken"  # the run itself has it
+    assert config_to_dict(command.config)["ingest"]["token"] == ""  # what is written has not
+    write_config(RunPlan(command.config, run_dir, "secret", "", None, [], None))  # type: ignore[arg-type]
+    written = run_dir / "config.yaml"
+    assert "s3cr3t" not in written.read_text()
+    assert run_dir.stat().st_mode & 0o777 == 0o700 and written.stat().st_mode & 0o777 == 0o600
+    # A resumed run takes the token from the environment (or --ingest.token) again.
+    monkeypatch.setenv("RLRAY_INGEST_TOKEN", "from-the-environment")
+    resumed = parse_command_line(["--resume", str(run_dir)]).config
+    assert resumed.ingest.token == ""
+    assert ingest_token(resumed.ingest) == "from-the-environment"

@@ -87,8 +87,9 @@ def test_the_updates_gradient_is_the_dpo_losss_gradient(model_path, loss):
     got = gradients(engine.policy)
     assert got.keys() == want.keys()
     for name, value in want.items():
-        # Summation order moves a few tiny elements by up to 3e-8 (measured).
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-7)
+        # Summation order moves a few tiny elements: by up to 3e-8 on an AVX2 machine,
+        # 2.3e-7 on an AVX-512 one (measured), where the median gradient is 1.3e-2.
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo"])

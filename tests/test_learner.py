@@ -132,14 +132,18 @@ def assert_moves_toward_rewarded(
     """Trains `steps` steps on REWARDS; each step's parity error (the learner's logprobs
     against plain_logprobs of the same weights) must be within `parity`."""
     before = sequence_logprob(learner, episodes_for(learner, REWARDS))
-    for _ in range(steps):
+    for step in range(steps):
         metrics = learner.train_step(episodes_for(learner, REWARDS))
         assert metrics.logprob_parity_error is not None
         assert metrics.logprob_parity_error < parity, metrics.logprob_parity_error
+        if step == 0:  # the first update follows the gradient: the rewarded one rises
+            first = sequence_logprob(learner, episodes_for(learner, REWARDS))
+            assert first[0] > before[0], (before, first)
     after = sequence_logprob(learner, episodes_for(learner, REWARDS))
-    # The rewarded completion rises, and gains on the unrewarded ones taken together (one
-    # of them may still rise through what it shares with the rewarded one).
-    assert after[0] > before[0] + gain / 3, (before, after)
+    # Over the steps the rewarded completion gains on the unrewarded ones taken together.
+    # Its own logprob need not keep rising: Adam's later steps can move mass to
+    # completions outside these four (measured on an AVX-512 machine's tiny model: +0.024
+    # after one step, -0.021 after three, while its log-odds gained 0.35).
     assert log_odds_of_rewarded(after) > log_odds_of_rewarded(before) + gain, (before, after)
     assert learner.version == steps
 
@@ -204,7 +208,9 @@ def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path, device):
         algorithm__kl_mode="loss",
         algorithm__kl_estimator="k3",
         algorithm__kl_coef=1.0,
-        learner__lr=1e-3,
+        # At 1e-3 Adam's first steps overshoot (KL 0.16 -> 21), and only k3's unbounded
+        # gradient at far tokens, now clamped as verl's, pulled the policy back.
+        learner__lr=1e-4,
     )
     with torch.no_grad():
         for parameter in learner.engine.policy.parameters():
@@ -216,6 +222,32 @@ def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path, device):
     assert first.advantage_abs_mean == 0.0
     assert first.kl > 0.01
     assert last.kl < 0.5 * first.kl, (first.kl, last.kl)
+
+
+def test_masking_truncated_completions_keeps_dr_grpos_normaliser(model_path, device):
+    # Dr. GRPO divides every token loss by G * max_new_tokens, G the samples of the
+    # mini-batch. Two of four samples are truncated, with zero advantage (reward 0.5, the
+    # group's mean): masking them out of the loss must leave the loss as it was, not
+    # double it by counting G = 2.
+    rewards = {"46": 1.0, "4": 0.0, "35": 0.5, "68": 0.5}  # unequal lengths: a loss != 0
+    losses = []
+    for mask_truncated in (False, True):
+        learner = make_learner(
+            model_path,
+            device,
+            algorithm__advantage="dr_grpo",
+            algorithm__loss_aggregation="seq_mean_token_sum_norm",
+            algorithm__mask_truncated=mask_truncated,
+            learner__epochs=1,
+        )
+        episodes = episodes_for(learner, rewards)
+        for episode in episodes[2:]:
+            episode.finish_reason = "length"
+        metrics = learner.train_step(episodes)
+        assert metrics.truncated_share == 0.5
+        losses.append(metrics.policy_loss)
+    # -(0.5 * 3 tokens - 0.5 * 2 tokens) / (4 samples * 6 max_new_tokens), at ratio 1
+    assert losses == pytest.approx([-0.5 / 24] * 2, rel=1e-4)
 
 
 def assert_same_policy(one: Learner, two: Learner) -> None:

@@ -14,6 +14,7 @@ from rlray.config import Config, RewardSpec
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.learner.reward_model import RewardModelTrainer, cosine_factor
+from rlray.rewards.model_based import ClassifierReward, classifier_inputs
 from rlray.rewards.worker import RewardWorker
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
@@ -60,6 +61,22 @@ def test_the_saved_model_scores_through_classifier_reward_in_a_reward_worker(tra
         trainer.model.eval()
         want = trainer.scores([p.prompt for p in pairs], [p.chosen for p in pairs])
     torch.testing.assert_close(chosen, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_pair_over_512_tokens_is_trained_on_what_the_reward_scores(trained):
+    # The reward cuts (prompt, completion) to 512 tokens, the longer side first; the
+    # trainer must read the same tokens, or the score it fits is read at a point the
+    # reward never sees. 300 + 600 tokens: both are cut to 512 the same way.
+    trainer, _, _, _, directory = trained
+    prompt, completions = "12+34=" * 50, ["46" * 300, "57" * 300]
+    reward = ClassifierReward(str(directory))
+    with torch.no_grad():
+        trainer.model.eval()
+        want = trainer.scores([prompt] * 2, completions)
+        trainer.model.train()
+    torch.testing.assert_close(torch.tensor(reward([prompt] * 2, completions)), want)
+    inputs = classifier_inputs(trainer.tokenizer, [prompt], completions[:1], 512)
+    assert inputs["input_ids"].shape == (1, 512)
 
 
 def test_the_learning_rate_falls_along_a_cosine_to_a_hundredth():

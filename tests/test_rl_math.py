@@ -202,6 +202,27 @@ def test_ppo_loss_gradient_is_zero_where_clipped():
     torch.testing.assert_close(grad, torch.tensor([[0.0, -0.9]]))  # d(-r)/dlogp = -r
 
 
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_far_token_ratio_is_clamped_not_a_nan(log_ratio, advantage):
+    # exp(100) overflows float32 (past 88.7): unclamped, the loss is inf and its gradient
+    # NaN, and the run stops. The log ratio is clamped to [-20, 20] as verl's is; beyond
+    # that the token gives no gradient.
+    logp = torch.tensor([[log_ratio]], requires_grad=True)
+    adv = torch.tensor([[advantage]])
+    for kind in POLICY_LOSSES:
+        loss, _ = POLICY_LOSSES[kind].token_loss(
+            logp, torch.zeros(1, 1), adv, torch.ones(1, 1), 0.2, 0.2
+        )
+        (grad,) = torch.autograd.grad(loss.sum(), logp)
+        assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), kind
+    loss, _ = rm.ppo_token_loss(logp, torch.zeros(1, 1), adv, 0.2, 0.2)
+    # ratio e^20 (or e^-20); the loss is the larger of -A r and -A clip(r, 0.8, 1.2)
+    ratio = math.exp(math.copysign(20.0, log_ratio))
+    expected = max(-advantage * ratio, -advantage * min(max(ratio, 0.8), 1.2))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
 def test_gspo_uses_the_geometric_mean_ratio_of_the_sequence():
     # token ratios 1.2 and 0.8 -> sequence ratio sqrt(0.96); padding (ratio 50) ignored
     logp = torch.log(torch.tensor([[1.2, 0.8, 50.0]]))
@@ -299,8 +320,10 @@ def test_two_micro_batches_give_the_same_gradient_as_one_batch(kind, mode):
     def loss_of(rows, whole: bool):
         logp = (features[rows] @ weight) * 0.1
         loss, _ = POLICY_LOSSES[kind].token_loss(logp, old[rows], adv[rows], mask[rows], 0.2, 0.3)
-        totals = (None, None) if whole else (tokens, sequences)
-        return rm.aggregate(loss, mask[rows], mode, *totals, max_length=3)
+        if whole:
+            return rm.aggregate(loss, mask[rows], mode, max_length=3)
+        # A micro-batch is given its mini-batch's counts.
+        return rm.aggregate(loss, mask[rows], mode, tokens, sequences, 3, sequences)
 
     (full_grad,) = torch.autograd.grad(loss_of(slice(0, 6), whole=True), weight)
     micro = loss_of(slice(0, 2), whole=False) + loss_of(slice(2, 6), whole=False)
@@ -323,16 +346,30 @@ def test_seq_mean_token_mean_weighs_sequences_not_tokens():
     assert short.item() == longer.item() == 2.0
 
 
+def test_dr_grpo_divides_by_every_sampled_sequence_masked_or_not():
+    # Masking a sequence out of the loss (a truncated one, mask_truncated) leaves the
+    # normaliser G * max_length = 2 * 3: the other sequence's tokens keep their weight.
+    mask = TOKEN_MASK.clone()
+    mask[1] = 0.0
+    loss = rm.aggregate(TOKEN_LOSS, mask, "seq_mean_token_sum_norm", max_length=3)
+    assert loss.item() == pytest.approx(6 / (2 * 3))
+    # A micro-batch of the first row is given its mini-batch's count.
+    micro = rm.aggregate(
+        TOKEN_LOSS[:1], mask[:1], "seq_mean_token_sum_norm", 3.0, 1.0, 3, sampled_sequences=2.0
+    )
+    assert micro.item() == pytest.approx(6 / (2 * 3))
+
+
 # ---------------------------------------------------------------- value loss, KL, entropy
 
 
 def test_value_loss_hand_values():
     # V=1.0, V_old=0.5, R=2.0, clip 0.2: clipped V = 0.7; errors 1.0 and 1.69 -> 0.5 * 1.69
-    loss, clip_fraction = rm.value_loss(
-        torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), torch.ones(1, 1), 0.2
+    loss, clipped = rm.value_token_loss(
+        torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]), 0.2
     )
     assert loss.item() == pytest.approx(0.845)
-    assert clip_fraction.item() == 1.0
+    assert clipped.tolist() == [[True]]
 
 
 def test_kl_estimators_hand_values():
@@ -345,6 +382,17 @@ def test_kl_estimators_hand_values():
     assert rm.kl_estimate(ref, ref, "k3").item() == 0.0
     with pytest.raises(ValueError, match="k4"):
         rm.kl_estimate(logp, ref, "k4")
+
+
+def test_k3_is_clamped_so_one_far_token_cannot_decide_the_update():
+    # At log r = -20, k3 = e^20 - 21 = 4.85e8 and its gradient -4.85e8: one token would
+    # outweigh the batch. The log ratio is clamped to [-20, 20] and k3 to at most 10, as
+    # verl's low_var_kl is; near the reference nothing changes.
+    logp = torch.tensor([-20.0, -1.0, 0.5], requires_grad=True)
+    k3 = rm.kl_estimate(logp, torch.zeros(3), "k3")
+    torch.testing.assert_close(k3, torch.tensor([10.0, math.e - 2.0, math.exp(-0.5) - 0.5]))
+    (grad,) = torch.autograd.grad(k3.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 1.0 - math.e, 1.0 - math.exp(-0.5)]))
 
 
 def test_kl_loss_expected_gradients_k1_zero_k2_forward_k3_reverse():
@@ -409,6 +457,23 @@ def test_rollout_correction_hand_values():
     sequence = rm.rollout_correction_weights(old, rollout, mask, "sequence", clip=3.0)
     torch.testing.assert_close(sequence, torch.full((1, 4), 2.25))
     assert rm.rollout_correction_weights(old, rollout, mask, "off", 2.0).eq(1).all()
+
+
+def test_geometric_rollout_correction_is_the_truncated_geometric_mean_of_token_ratios():
+    # Row 0: ratios 2 and 1 -> sqrt(2) on both tokens (padding's 99 left out);
+    # row 1: ratios 4, 4, 4 -> 4, truncated at 2; row 2: ratios 0.5 and 0.125 -> 0.25.
+    old = torch.log(torch.tensor([[2.0, 1.0, 99.0], [4.0, 4.0, 4.0], [0.5, 0.125, 7.0]]))
+    rollout = torch.zeros(3, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights = rm.rollout_correction_weights(old, rollout, mask, "geometric", clip=2.0)
+    expected = torch.tensor([[math.sqrt(2.0)] * 3, [2.0] * 3, [0.25] * 3])
+    torch.testing.assert_close(weights, expected)
+    # A sequence's length does not compound its weight, as it does at "sequence" level.
+    doubled = torch.cat([old[:1, :2], old[:1, :2]], dim=1)
+    again = rm.rollout_correction_weights(
+        doubled, torch.zeros(1, 4), torch.ones(1, 4), "geometric", 2.0
+    )
+    torch.testing.assert_close(again, torch.full((1, 4), math.sqrt(2.0)))
 
 
 def test_logprob_mismatch_hand_values():
@@ -511,7 +576,7 @@ def test_every_function_makes_its_tensors_on_the_inputs_device():
         rm.rloo_advantages(scores, group),
         rm.reinforce_pp_advantages(x, mask, 1.0),
         rm.reinforce_pp_baseline_advantages(scores, group, mask),
-        *rm.value_loss(x, x, x, mask, 0.2, total_tokens=7.0),
+        *rm.value_token_loss(x, x, x, 0.2),
         rm.token_logprobs(
             torch.empty(b, t, 5, device=meta), torch.zeros(b, t, dtype=torch.long, device=meta)
         ),
@@ -525,7 +590,7 @@ def test_every_function_makes_its_tensors_on_the_inputs_device():
     for kind in POLICY_LOSSES:
         outputs.extend(POLICY_LOSSES[kind].token_loss(x, x, x, mask, 0.2, 0.2))
     for mode in rm.LOSS_AGGREGATIONS:
-        outputs.append(rm.aggregate(x, mask, mode, 10.0, 4.0, max_length=3))
+        outputs.append(rm.aggregate(x, mask, mode, 10.0, 4.0, 3, sampled_sequences=4.0))
         outputs.append(rm.aggregate(x, mask, mode, max_length=3))
     for level in rm.ROLLOUT_CORRECTIONS:
         outputs.append(rm.rollout_correction_weights(x, x, mask, level, 2.0))
@@ -558,6 +623,8 @@ def test_math_on_the_test_device_equals_the_math_on_the_cpu(device):
             rm.reinforce_pp_baseline_advantages(v["scores"], v["group"], v["mask"]),
             rm.token_logprobs(v["logits"], v["tokens"]),
             rm.rollout_correction_weights(v["y"], v["x"] * 0.1, v["mask"], "sequence", 2.0),
+            rm.rollout_correction_weights(v["y"], v["x"] * 0.1, v["mask"], "geometric", 2.0),
+            rm.kl_estimate(v["x"] * 10, v["y"], "k3"),  # some past its clamps
         ]
         for kind in POLICY_LOSSES:
             loss, _ = POLICY_LOSSES[kind].token_loss(

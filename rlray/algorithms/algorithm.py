@@ -84,6 +84,18 @@ class Algorithm:
         return own if self.settings.clip_high is None else self.settings.clip_high
 
     @property
+    def loss_aggregation(self) -> str:
+        """How token losses become the loss: the config's, else the policy loss's own."""
+        own = POLICY_LOSSES[self.settings.policy_loss].aggregation
+        return self.settings.loss_aggregation or own
+
+    @property
+    def rollout_correction(self) -> str:
+        """The rollout-correction level: the config's, else the policy loss's own."""
+        own = POLICY_LOSSES[self.settings.policy_loss].rollout_correction
+        return self.settings.rollout_correction or own
+
+    @property
     def needs_critic(self) -> bool:
         return ESTIMATORS[self.settings.advantage].needs_critic
 
@@ -125,48 +137,68 @@ class Algorithm:
     ) -> torch.Tensor:
         """Returns (B, T) rollout-correction weights (1 where vLLM's logprobs are unknown:
         the caller passes old_logp there)."""
-        s = self.settings
         return rm.rollout_correction_weights(
-            old_logp, rollout_logp, mask, s.rollout_correction, s.rollout_correction_clip
+            old_logp,
+            rollout_logp,
+            mask,
+            self.rollout_correction,
+            self.settings.rollout_correction_clip,
         )
 
     # ------------------------------------------------------------------ loss
 
     def loss(
-        self, micro: MicroBatch, total_tokens: float, total_sequences: float
+        self,
+        micro: MicroBatch,
+        total_tokens: float,
+        total_sequences: float,
+        sampled_sequences: float,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns a micro-batch's share of its mini-batch's loss (divided by the mini-batch's
-        `total_tokens` or `total_sequences`), and metrics that add up the same way."""
+        """Returns a micro-batch's share of its mini-batch's loss, and metrics that add up
+        the same way. The mini-batch's counts: `total_tokens` and `total_sequences` in
+        the loss, and `sampled_sequences`, every row whether masked or not (Dr. GRPO's G).
+
+        The policy, KL, entropy and value terms are each aggregated over tokens alike
+        (loss_aggregation), so that a coefficient means the same in every mode."""
         s, mask = self.settings, micro.mask
+
+        def aggregate(token_values: torch.Tensor) -> torch.Tensor:
+            return rm.aggregate(
+                token_values,
+                mask,
+                self.loss_aggregation,
+                total_tokens,
+                total_sequences,
+                self.max_length,
+                sampled_sequences,
+            )
+
         token_loss, clipped = POLICY_LOSSES[s.policy_loss].token_loss(
-            micro.logp,
-            micro.old_logp,
-            micro.advantages,
-            mask,
-            self.clip_low,
-            self.clip_high,
+            micro.logp, micro.old_logp, micro.advantages, mask, self.clip_low, self.clip_high
         )
-        token_loss = token_loss * micro.correction
-        loss = rm.aggregate(
-            token_loss, mask, s.loss_aggregation, total_tokens, total_sequences, self.max_length
-        )
+        loss = aggregate(token_loss * micro.correction)
         metrics = {"policy_loss": float(loss.detach())}
-        metrics["clip_fraction"] = float(rm.masked_mean(clipped.to(mask.dtype), mask, total_tokens))
+        metrics["clip_fraction"] = self._token_mean(clipped, mask, total_tokens)
         if s.kl_mode == "loss" and micro.ref_logp is not None:
-            kl = rm.kl_estimate(micro.logp, micro.ref_logp, s.kl_estimator)
-            kl_loss = rm.masked_mean(kl, mask, total_tokens)
+            kl_loss = aggregate(rm.kl_estimate(micro.logp, micro.ref_logp, s.kl_estimator))
             loss = loss + s.kl_coef * kl_loss
             metrics["kl_loss"] = float(kl_loss.detach())
         if micro.entropy is not None:
-            entropy = rm.masked_mean(micro.entropy, mask, total_tokens)
-            metrics["entropy"] = float(entropy.detach())
+            # Reported as a token mean: a property of the policy, the same in every mode.
+            metrics["entropy"] = self._token_mean(micro.entropy, mask, total_tokens)
             if self.needs_entropy_gradient:
-                loss = loss - s.entropy_coef * entropy
+                loss = loss - s.entropy_coef * aggregate(micro.entropy)
         if micro.values is not None:
-            value_loss, value_clipped = rm.value_loss(
-                micro.values, micro.old_values, micro.returns, mask, s.value_clip, total_tokens
+            value_tokens, value_clipped = rm.value_token_loss(
+                micro.values, micro.old_values, micro.returns, s.value_clip
             )
+            value_loss = aggregate(value_tokens)
             loss = loss + s.vf_coef * value_loss
             metrics["value_loss"] = float(value_loss.detach())
-            metrics["value_clip_fraction"] = float(value_clipped)
+            metrics["value_clip_fraction"] = self._token_mean(value_clipped, mask, total_tokens)
         return loss, metrics
+
+    @staticmethod
+    def _token_mean(x: torch.Tensor, mask: torch.Tensor, total_tokens: float) -> float:
+        """Returns the micro-batch's share of the mini-batch's token mean of `x`."""
+        return float(rm.masked_mean(x.detach().to(mask.dtype), mask, total_tokens))

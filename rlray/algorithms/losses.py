@@ -3,7 +3,8 @@
 A policy loss turns a micro-batch's fresh logprobs, the logprobs before the update and
 the advantages into (B, T) token losses, and says where its clip was active. Adding one
 is a decorated function here and its test: the config's choices, `--help` and the
-default clips read this table. The math is in rl_math.py.
+defaults of the clips, the loss aggregation and the rollout correction read this table.
+The math is in rl_math.py.
 """
 
 from __future__ import annotations
@@ -31,18 +32,31 @@ class PolicyLoss:
     clip_low: float
     clip_high: float
     """The clip offsets used when the config leaves them unset."""
+    aggregation: str = "token_mean"
+    """The loss aggregation used when the config leaves it unset (rl_math.aggregate)."""
+    rollout_correction: str = "token"
+    """The rollout-correction level used when the config leaves it unset."""
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def policy_loss(name: str, *, clips: tuple[float, float]) -> Callable[[TokenLoss], Any]:
+def policy_loss(
+    name: str,
+    *,
+    clips: tuple[float, float],
+    aggregation: str = "token_mean",
+    rollout_correction: str = "token",
+) -> Callable[[TokenLoss], Any]:
     """Registers the decorated function as the policy loss `name`, with its usual clip
-    offsets (low, high); its docstring's first line is its summary."""
+    offsets (low, high), loss aggregation and rollout-correction level; its docstring's
+    first line is its summary."""
 
     def register(token_loss: TokenLoss) -> Any:
         summary = (token_loss.__doc__ or "").strip().splitlines()[0]
-        POLICY_LOSSES[name] = PolicyLoss(name, token_loss, summary, *clips)
+        POLICY_LOSSES[name] = PolicyLoss(
+            name, token_loss, summary, *clips, aggregation, rollout_correction
+        )
         return token_loss
 
     return register
@@ -62,7 +76,14 @@ def ppo(
 
 
 # GSPO's ratio is a per-token geometric mean, so it moves far less (the paper's offsets).
-@policy_loss("gspo", clips=(3e-4, 4e-4))
+# Its objective weighs each token 1 / (G |y_i|), the mean of each sequence's token mean;
+# its rollout correction is at the same level as its ratio, the geometric mean.
+@policy_loss(
+    "gspo",
+    clips=(3e-4, 4e-4),
+    aggregation="seq_mean_token_mean",
+    rollout_correction="geometric",
+)
 def gspo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

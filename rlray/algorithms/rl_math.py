@@ -177,6 +177,16 @@ def reinforce_pp_baseline_advantages(
 
 # ---------------------------------------------------------------- policy losses
 
+LOG_RATIO_LIMIT = 20.0
+"""Bound on a log ratio before it is exponentiated (verl's): exp overflows float32 past
+88.7, and an infinite ratio makes the loss infinite and its gradient NaN."""
+
+
+def token_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """Returns (B, T) ratios exp(logp - old_logp), the log ratio clamped to
+    [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT]: a token beyond it gives no gradient."""
+    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
 
 def ppo_token_loss(
     logp: torch.Tensor,
@@ -190,8 +200,9 @@ def ppo_token_loss(
     loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)), r_t = exp(logp - old_logp)
     (Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7; the separate upper
     clip is DAPO's clip-higher, Yu et al. 2025, https://arxiv.org/abs/2503.14476.)
+    r_t is token_ratio's, its log clamped to [-20, 20].
     """
-    return _clipped_surrogate(torch.exp(logp - old_logp), advantages, clip_low, clip_high)
+    return _clipped_surrogate(token_ratio(logp, old_logp), advantages, clip_low, clip_high)
 
 
 def _clipped_surrogate(
@@ -222,7 +233,7 @@ def gspo_token_loss(
     log_ratio = sequence_mean(logp - old_logp, mask).detach()  # (B,)
     # Added last so that the value is exactly the sequence ratio (no round-off).
     token_log_ratio = logp - logp.detach() + log_ratio[:, None]
-    ratio = torch.exp(token_log_ratio.clamp(max=20.0))
+    ratio = torch.exp(token_log_ratio.clamp(max=LOG_RATIO_LIMIT))
     return _clipped_surrogate(ratio, advantages, clip_low, clip_high)
 
 
@@ -239,7 +250,7 @@ def cispo_token_loss(
     truncated importance weight, so clipped tokens still give a gradient (PPO's give none).
     (MiniMax 2025, MiniMax-M1, https://arxiv.org/abs/2506.13585, eq. 4-5.)
     """
-    ratio = torch.exp(logp - old_logp).detach()
+    ratio = token_ratio(logp, old_logp).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return -weight * advantages * logp, weight != ratio
 
@@ -261,23 +272,29 @@ def aggregate(
     total_tokens: float | None = None,
     total_sequences: float | None = None,
     max_length: float | None = None,
+    sampled_sequences: float | None = None,
 ) -> torch.Tensor:
     """Returns the scalar loss of (B, T) token losses under aggregation `mode`:
 
     token_mean               sum_i,t l_i,t / N_tokens               (every token alike)
     seq_mean_token_mean      sum_i (sum_t l_i,t / |y_i|) / N_seq     (every sequence alike)
     seq_mean_token_sum       sum_i sum_t l_i,t / N_seq
-    seq_mean_token_sum_norm  sum_i sum_t l_i,t / (N_seq * max_length)  (Dr. GRPO: no
+    seq_mean_token_sum_norm  sum_i sum_t l_i,t / (G * max_length)  (Dr. GRPO: no
                              length bias, https://arxiv.org/abs/2503.20783, eq. 3)
 
     N_tokens and N_seq are `total_tokens` and `total_sequences` when given (a micro-batch
     passes its mini-batch's, so micro-batch losses add up to the mini-batch loss), else
-    this batch's real tokens and the sequences with at least one real token.
+    this batch's real tokens and the sequences with at least one real token. G is
+    `sampled_sequences`, else the B rows: every sequence sampled, counted whether or not
+    `mask` leaves it any token (a truncated completion masked out still counts), so
+    that Dr. GRPO's normaliser stays a constant.
     """
     if total_tokens is None:
         total_tokens = mask.sum()
     if total_sequences is None:
         total_sequences = (mask.sum(dim=1) > 0).sum()
+    if sampled_sequences is None:
+        sampled_sequences = token_loss.shape[0]
     if mode == "token_mean":
         return masked_sum(token_loss, mask) / _at_least_one(total_tokens, token_loss)
     if mode == "seq_mean_token_mean":
@@ -288,7 +305,7 @@ def aggregate(
     if mode == "seq_mean_token_sum_norm":
         if max_length is None:
             raise ValueError("seq_mean_token_sum_norm needs max_length")
-        sequences = _at_least_one(total_sequences, token_loss)
+        sequences = _at_least_one(sampled_sequences, token_loss)
         return masked_sum(token_loss, mask) / (sequences * max_length)
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {LOSS_AGGREGATIONS}")
 
@@ -300,36 +317,37 @@ def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------- value loss, KL, entropy
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip: float,
-    total_tokens: float | None = None,
+def value_token_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (loss, clip_fraction) of the clipped value loss
-    0.5 * mean_t max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2)."""
+    """Returns (B, T) clipped value losses and where the clip was active:
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2), aggregated over
+    tokens as the policy loss is (aggregate)."""
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    worse = torch.maximum(unclipped_error, clipped_error)
-    loss = 0.5 * masked_mean(worse, mask, total_tokens)
-    clipped = (clipped_error > unclipped_error).to(values.dtype)
-    clip_fraction = masked_mean(clipped, mask, total_tokens).detach()
-    return loss, clip_fraction
+    return 0.5 * torch.maximum(unclipped_error, clipped_error), clipped_error > unclipped_error
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_LIMIT = 10.0
+"""Bound on k3 (verl's): at a log ratio of -20 it is 4.85e8, and one token would decide
+the update."""
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Returns a per-token estimate of KL(policy || reference) from sampled-token logprobs,
     with log r = logp - ref_logp (http://joschu.net/blog/kl-approx.html):
 
-    k1 = log r           unbiased, can be negative; as a loss its gradient is 0 in expectation
-    k2 = (log r)^2 / 2   biased, low variance; as a loss its gradient is the KL's gradient
-    k3 = (1/r) - 1 + log r   unbiased and always >= 0
+    k1 = log r           unbiased, can be negative
+    k2 = (log r)^2 / 2   biased, low variance
+    k3 = (1/r) - 1 + log r   unbiased and always >= 0; log r clamped to [-20, 20] and
+                             k3 to at most 10, as verl's low_var_kl
+
+    What their gradients are depends on where they go. As a loss term, grad k1 is 0 in
+    expectation, E[grad k2] = grad KL(pi || ref) and E[grad k3] = grad KL(ref || pi). As
+    a reward penalty, the policy gradient takes E[k grad log pi], which is
+    grad KL(pi || ref) for k1 only (tests/test_algorithm.py works both out exactly).
     """
     log_ratio = logp - ref_logp
     if estimator == "k1":
@@ -337,7 +355,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
+        log_ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        return (torch.expm1(-log_ratio) + log_ratio).clamp(max=K3_LIMIT)
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
@@ -367,7 +386,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 # ---------------------------------------------------------------- rollout correction
 
-ROLLOUT_CORRECTIONS = ("token", "sequence", "off")
+ROLLOUT_CORRECTIONS = ("token", "sequence", "geometric", "off")
 
 
 def rollout_correction_weights(
@@ -376,9 +395,11 @@ def rollout_correction_weights(
     """Returns (B, T) truncated importance weights from the sampling policy (vLLM's
     logprobs, `rollout_logp`) to the learner's policy before the update (`old_logp`):
 
-    token     w_t = min(exp(old_t - rollout_t), clip)
-    sequence  w_t = min(exp(sum_t (old_t - rollout_t)), clip) on every token of the sequence
-    off       w_t = 1
+    token      w_t = min(exp(old_t - rollout_t), clip)
+    sequence   w_t = min(exp(sum_t (old_t - rollout_t)), clip) on every token of the sequence
+    geometric  w_t = min(exp(mean_t (old_t - rollout_t)), clip) on every token of the
+               sequence: the geometric mean of its token ratios, GSPO's level
+    off        w_t = 1
 
     Detached: a weight, not a path for gradients. It corrects both an engine mismatch
     (bf16 kernels differ from the learner's) and staleness (a policy K versions old).
@@ -388,9 +409,13 @@ def rollout_correction_weights(
     """
     log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, torch.zeros_like(old_logp))
     if level == "token":
-        weights = torch.exp(log_ratio.clamp(max=20.0))
+        weights = torch.exp(log_ratio.clamp(max=LOG_RATIO_LIMIT))
     elif level == "sequence":
-        weights = torch.exp(log_ratio.sum(dim=1, keepdim=True).clamp(max=20.0)).expand_as(mask)
+        total = log_ratio.sum(dim=1, keepdim=True)  # (B, 1)
+        weights = torch.exp(total.clamp(max=LOG_RATIO_LIMIT)).expand_as(mask)
+    elif level == "geometric":
+        mean = sequence_mean(log_ratio, mask)[:, None]  # (B, 1)
+        weights = torch.exp(mean.clamp(max=LOG_RATIO_LIMIT)).expand_as(mask)
     elif level == "off":
         return torch.ones_like(old_logp)
     else:

@@ -141,7 +141,15 @@ def _algorithm(config: Config) -> None:
     if a.kl_mode == "loss" and a.kl_estimator == "k1" and a.kl_coef > 0:
         raise ConfigError(
             "algorithm.kl_estimator k1 with kl_mode loss has zero gradient in expectation; "
-            "use k2 or k3 (or kl_mode reward)"
+            "use k2 or k3 (or kl_mode reward with k1)"
+        )
+    # In the reward, an estimator's policy gradient is E[k grad log pi]: the KL's gradient
+    # for k1 only; k3's is grad KL(pi || ref) - grad KL(ref || pi), of either sign.
+    if a.kl_mode == "reward" and a.kl_estimator != "k1" and a.kl_coef > 0:
+        raise ConfigError(
+            f"algorithm.kl_estimator {a.kl_estimator} with kl_mode reward is not a KL "
+            "penalty: its policy gradient is not the KL's and may raise the KL; use k1 "
+            "(or kl_mode loss with k2 or k3)"
         )
     if a.clip_low is not None and a.clip_low > 1 and a.policy_loss != "cispo":
         raise ConfigError(f"algorithm.clip_low must be <= 1 (a ratio is > 0), got {a.clip_low}")

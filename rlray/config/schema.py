@@ -43,7 +43,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 WeightSync = Literal["auto", "object_store", "nccl", "gloo"]
 KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
-RolloutCorrection = Literal["token", "sequence", "off"]
+RolloutCorrection = Literal["token", "sequence", "geometric", "off"]
 
 
 # ---------------------------------------------------------------- ranges
@@ -304,11 +304,13 @@ class AlgorithmConfig:
     policy_loss: PolicyLoss = "ppo"
     """Policy loss: the ratio of the learner's policy to the one before the update,
     clipped to [1 - clip_low, 1 + clip_high], times the advantage."""
-    loss_aggregation: LossAggregation = "token_mean"
-    """How token losses become the loss: token_mean (every token alike), seq_mean_token_mean
-    (each sequence's token mean, averaged), seq_mean_token_sum (each sequence's token sum,
-    averaged) or seq_mean_token_sum_norm (token sum / (sequences x max_new_tokens), as
-    Dr. GRPO)."""
+    loss_aggregation: LossAggregation | None = None
+    """How token losses become the loss (the policy loss and the KL, entropy and value
+    terms alike): token_mean (every token alike), seq_mean_token_mean (each sequence's
+    token mean, averaged), seq_mean_token_sum (each sequence's token sum, averaged) or
+    seq_mean_token_sum_norm (token sum / (sequences sampled x max_new_tokens), as
+    Dr. GRPO); null: the policy loss's own, token_mean (gspo: seq_mean_token_mean, its
+    objective's 1 / (G |y_i|) per token)."""
     clip_low: float | None = positive(None)
     """Lower clip offset of the ratio (1 - clip_low); null: the policy loss's own (cispo's
     1.0 is no lower bound)."""
@@ -330,20 +332,26 @@ class AlgorithmConfig:
     no reference model."""
     kl_estimator: KLEstimator = "k1"
     """KL estimator: k1 (log ratio), k2 (half its square) or k3 (ratio - 1 - log ratio,
-    always >= 0); http://joschu.net/blog/kl-approx.html."""
+    always >= 0, at most 10); http://joschu.net/blog/kl-approx.html. kl_mode reward
+    needs k1, kl_mode loss k2 or k3."""
     kl_mode: KLMode = "reward"
-    """Where the KL penalty goes: reward (per-token reward penalty) or loss (a loss term;
-    needs k2 or k3: k1's gradient is zero in expectation)."""
+    """Where the KL penalty goes: reward (per-token reward penalty; needs k1, the one
+    whose policy gradient there is the KL's gradient) or loss (a loss term; needs k2 or
+    k3: k1's gradient is zero in expectation)."""
     entropy_coef: float = non_negative(0.0)
     """Weight of the entropy bonus (0 builds no entropy graph)."""
     drop_uniform_groups: bool = False
     """DAPO dynamic sampling: leave out groups whose samples all got the same reward (they
     teach a group estimator nothing) and generate more prompts to fill the step."""
     mask_truncated: bool = False
-    """Leave completions cut off at rollout.max_new_tokens out of the loss."""
-    rollout_correction: RolloutCorrection = "token"
+    """Leave completions cut off at rollout.max_new_tokens out of the loss (they still
+    count among the sequences sampled that seq_mean_token_sum_norm divides by)."""
+    rollout_correction: RolloutCorrection | None = None
     """Truncated importance sampling from vLLM's sampling policy to the learner's: token
-    (a weight per token), sequence (one weight per completion) or off."""
+    (a weight per token), sequence (one weight per completion, the product of its token
+    ratios), geometric (one weight per completion, the geometric mean of its token
+    ratios) or off; null: the policy loss's own, token (gspo: geometric, the level of
+    its ratio)."""
     rollout_correction_clip: float = positive(2.0)
     """Largest rollout-correction weight (truncation of pi_learner / pi_vllm)."""
 
@@ -488,7 +496,8 @@ class IngestConfig:
     """Port to listen on."""
     token: str = ""
     """Bearer token clients must send; empty: the RLRAY_INGEST_TOKEN environment
-    variable, and without either only loopback is served, unauthenticated."""
+    variable, and without either only loopback is served, unauthenticated. Never written
+    to the run directory: a resumed run takes it from the environment or --ingest.token."""
     max_body_bytes: int = positive(4_194_304)
     """Largest request body; bigger ones get 413."""
     train: bool = False
@@ -566,9 +575,18 @@ class Config:
         return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
 
 
+# Fields that hold secrets: never written to config.yaml, trackers or logs. A resumed
+# run reads them from the environment or the command line again.
+SECRET_FIELDS = (("ingest", "token"),)
+
+
 def config_to_dict(config: Config) -> dict[str, Any]:
-    """Returns the config as nested plain dicts (what config.yaml holds)."""
-    return dataclasses.asdict(config)
+    """Returns the config as nested plain dicts (what config.yaml and the trackers hold),
+    with every secret field emptied."""
+    tree = dataclasses.asdict(config)
+    for section, name in SECRET_FIELDS:
+        tree[section][name] = ""
+    return tree
 
 
 def weight_sync(config: Config) -> str:

@@ -275,12 +275,12 @@ def _check_fits_model(episode: Episode, limits: ModelLimits, where: str) -> None
             f"{where}.reward: {episode.reward:g} is beyond ±{limits.max_abs_reward:g}, "
             "where the learner's float32 statistics overflow"
         )
-    _check_rollout_logprobs(episode, where)
 
 
-def _check_rollout_logprobs(episode: Episode, where: str) -> None:
+def check_rollout_logprobs(episode: Episode, where: str = "episode") -> None:
     """Raises EpisodeError unless the behaviour logprobs are absent or one per completion
-    token, each a log-probability (at most 0, give or take an engine's rounding)."""
+    token, each a log-probability (at most 0, give or take an engine's rounding). For
+    posted episodes: the learner treats logprobs it cannot use as unknown."""
     logprobs = episode.rollout_logprobs
     if not logprobs:
         return

@@ -34,6 +34,7 @@ from rlray.core.episode import (
     EpisodeError,
     ModelLimits,
     Span,
+    check_rollout_logprobs,
     validate_episode,
     validate_episodes,
 )
@@ -195,6 +196,8 @@ class IngestService:
         if self.limits is not None:
             try:
                 validate_episodes(episodes, self.limits)
+                for i, episode in enumerate(episodes):
+                    check_rollout_logprobs(episode, f"episodes[{i}]")
             except EpisodeError as err:
                 raise IngestError(400, str(err)) from None
         if self.check_tokens is not None:

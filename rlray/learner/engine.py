@@ -148,6 +148,10 @@ class MiniBatchTotals:
 
     tokens: float
     sequences: float
+    """Sequences with a token in the loss."""
+    sampled: float
+    """Every sequence of the mini-batch, in the loss or not: Dr. GRPO's G, which masking
+    (mask_truncated) must not change."""
 
 
 LossFn = Callable[[Outputs, torch.Tensor, MiniBatchTotals], tuple[torch.Tensor, dict[str, float]]]
@@ -401,7 +405,9 @@ class Engine:
             for minibatch in order.tensor_split(parts):
                 mask = loss_mask[minibatch]
                 totals = MiniBatchTotals(
-                    tokens=float(mask.sum()), sequences=float((mask.sum(dim=1) > 0).sum())
+                    tokens=float(mask.sum()),
+                    sequences=float((mask.sum(dim=1) > 0).sum()),
+                    sampled=float(len(minibatch)),
                 )
                 summed: dict[str, float] = {}
                 for rows in self._micro_batches(batch, minibatch):

@@ -1,8 +1,9 @@
 """Reward-model training: a sequence-classification head (one output) on a causal LM's
 trunk, fit to preference pairs with the Bradley-Terry loss (rlray/algorithms/rl_math.py).
 
-The model scores (prompt, completion) as the `classifier_reward` built-in reads it: the
-tokenizer's text pair, the score at the last token (transformers'
+The model scores (prompt, completion) as the `classifier_reward` built-in reads it, through
+the same function (rlray.rewards.model_based.classifier_inputs): the tokenizer's text pair
+cut to `max_length` tokens, the score at the last token (transformers'
 *ForSequenceClassification). The result is saved in HF format with its tokenizer, so
 `classifier_reward` loads it and the reward workers score with it in batches, and
 `jobs/ppo.py` can train against it.
@@ -22,13 +23,15 @@ from transformers.utils import logging as hf_logging
 from rlray.algorithms import rl_math as rm
 from rlray.data.chat import as_texts
 from rlray.data.preferences import PreferencePair
+from rlray.rewards.model_based import CLASSIFIER_MAX_LENGTH, classifier_inputs
 
 
 class RewardModelTrainer:
     """Fits a one-output classifier to pairs: the chosen completion scored above the
     rejected one. AdamW in float32 with gradient clipping; given `steps`, the learning
     rate falls from `lr` to 1% of it along a cosine over that many steps (a fresh score
-    head needs a large rate to start and a small one to settle)."""
+    head needs a large rate to start and a small one to settle). Pairs are read as
+    `classifier_reward` reads them, cut to `max_length` tokens (its own default)."""
 
     def __init__(
         self,
@@ -40,6 +43,7 @@ class RewardModelTrainer:
         micro_batch_size: int = 64,
         seed: int = 0,
         device: str = "cpu",
+        max_length: int = CLASSIFIER_MAX_LENGTH,
     ):
 
         torch.manual_seed(seed)
@@ -62,6 +66,7 @@ class RewardModelTrainer:
         self.max_grad_norm = max_grad_norm
         self.center_coef = center_coef
         self.micro_batch_size = micro_batch_size
+        self.max_length = max_length
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda done: cosine_factor(done, steps)
@@ -70,7 +75,7 @@ class RewardModelTrainer:
     def scores(self, prompts: list[Any], completions: list[Any]) -> torch.Tensor:
         """Returns (N,) scores of (prompt, completion) text pairs, with gradients."""
         prompts, completions = as_texts(prompts, completions)
-        inputs = self.tokenizer(prompts, completions, padding=True, return_tensors="pt")
+        inputs = classifier_inputs(self.tokenizer, prompts, completions, self.max_length)
         return self.model(**inputs.to(self.device)).logits[:, 0].float()
 
     def _pair_scores(self, pairs: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor]:

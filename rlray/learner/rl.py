@@ -234,7 +234,9 @@ class Learner:
                 returns=_rows(advantages.returns, rows),
                 ref_logp=_rows(inputs.ref_logp, rows),
             )
-            loss, metrics = self.algorithm.loss(micro, totals.tokens, totals.sequences)
+            loss, metrics = self.algorithm.loss(
+                micro, totals.tokens, totals.sequences, totals.sampled
+            )
             rm.check_finite(f"step {self.version + 1}: loss", loss)  # before its backward
             return loss, metrics
 

