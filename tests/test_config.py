@@ -118,6 +118,11 @@ def test_help_lists_every_field_with_its_doc_default_and_choices():
             ["--algorithm.kl_estimator", "k4"],
             "algorithm.kl_estimator must be one of k1, k2, k3; got 'k4'",
         ),
+        (
+            ["--algorithm.loss_aggregation", "nope"],
+            "algorithm.loss_aggregation must be one of token_mean, seq_mean_token_mean, "
+            "seq_mean_token_sum, seq_mean_token_sum_norm or null; got 'nope'",
+        ),
         # float16 training would need loss scaling: refused (bfloat16 is offered).
         (
             ["--model.dtype", "float16"],

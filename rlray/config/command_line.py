@@ -235,6 +235,9 @@ def _one_line(message: str) -> str:
     if name and (section := re.search(r"Unable to load config '([^']*)'", message)):
         return f"{name}: expected a section of fields, got {section[1]!r}"
     if name and given and (subtypes := re.search(r"Subtypes: \[(.*)\]", message)):
+        if choices := re.match(r"typing\.Literal\[(.*)\], <class 'NoneType'>$", subtypes[1]):
+            options = ast.literal_eval(f"({choices[1]},)")  # an optional choice
+            return f"{name} must be one of {', '.join(options)} or null; got {given[1]!r}"
         kinds = " or ".join(_type_word(t) for t in subtypes[1].split(", "))
         return f"{name}: expected {kinds}, got {given[1]!r}"
     return " ".join(message.split())
