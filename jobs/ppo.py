@@ -7,7 +7,8 @@ rollout actors, reward actors, a buffer, a learner.
     python jobs/ppo.py --resume runs/exp1   # continue from the last checkpoint
     ray job submit --working-dir . -- python jobs/ppo.py   # the same on a cluster
 
-Reads top to bottom: main (config, checks) -> run (actors) -> train (steps) -> report.
+Reads top to bottom: main -> start (config, checks) -> run (actors) -> train (steps)
+-> report.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import connect, required_cpus, start_actors, start_ingest
 from rlray.config import ConfigError, parse_command_line, validate
-from rlray.driver.interrupts import stop_on_sigterm
+from rlray.driver.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
 from rlray.driver.run_log import RunLog, RunSummary
 from rlray.driver.training import TrainingDriver
@@ -31,6 +32,16 @@ from rlray.observe.timing import describe_totals
 
 
 def main(argv: list[str]) -> int:
+    stop_on_sigterm()  # `ray job stop` (SIGTERM) stops a run as Ctrl-C does
+    try:
+        return start(argv)
+    except KeyboardInterrupt:
+        print("ppo.py: interrupted before training began", file=sys.stderr)
+        return 130
+
+
+def start(argv: list[str]) -> int:
+    """Checks the config, joins Ray and runs, resuming after a lost actor."""
     # Config: defaults < --config file < command line; every check before any actor.
     try:
         command = parse_command_line(argv)
@@ -80,7 +91,6 @@ def run(plan: RunPlan) -> int:
         return 1
     driver = TrainingDriver(plan, actors, *plan.resume_point())
     log = RunLog(plan, actors, driver.clock)
-    stop_on_sigterm()  # `ray job stop` stops like Ctrl-C
     summary = None
     try:
         summary = train(plan, driver, log)
@@ -151,4 +161,6 @@ def report(plan: RunPlan, summary: RunSummary, log: RunLog) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    stop_at_once_on_signals()  # Ray shuts down at exit: a signal then ends it at once
+    sys.exit(code)

@@ -131,6 +131,10 @@ def test_short_run_advances_policy_and_keeps_logprob_parity(five_step_runs):
     summary = json.loads((root / "a" / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["episodes"] == 5 * 32
     assert f"run directory: {root / 'a'}" in done["a"].stdout
+    # The console shows rlray's lines; vLLM's chatter is in the run's log files.
+    console = done["a"].stdout + done["a"].stderr
+    assert "FutureWarning" not in console and "RolloutActor pid=" not in console, console
+    assert "vllm" in (root / "a" / "logs" / "rollout-0.log").read_text().lower()
 
 
 def greedy_accuracy(

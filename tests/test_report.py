@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from rlray.observe.report import read_metrics, rolling_mean, series, write_report
+from rlray.observe.report import policy_curves, read_metrics, rolling_mean, series, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -85,3 +85,18 @@ def test_resumed_run_repeated_steps_keep_the_later_line(tmp_path):
 def test_rolling_mean_averages_the_trailing_window():
     means = rolling_mean(np.array([1.0, 3.0, 5.0, 7.0]), window=2)
     assert means.tolist() == pytest.approx([1.0, 2.0, 4.0, 6.0])
+
+
+def test_the_policy_panel_shows_the_kl_or_else_what_every_run_logs():
+    with_kl = {1: {"kl": 0.5, "entropy": 0.9}, 2: {"kl": 0.4, "entropy": 0.8}}
+    title, _, curves = policy_curves(with_kl)
+    assert title == "KL to the reference model" and curves["KL"][1].tolist() == [0.5, 0.4]
+    # The default job holds no reference (kl_coef 0): its KL is null on every step.
+    without = {
+        1: {"kl": None, "entropy": 0.9, "rollout_logprob_diff_mean": 1e-6},
+        2: {"kl": None, "entropy": 0.7, "rollout_logprob_diff_mean": 2e-6},
+    }
+    title, ylabel, curves = policy_curves(without)
+    assert (title, ylabel) == ("Policy entropy and rollout gap", "nats per token")
+    assert curves["entropy"][1].tolist() == [0.9, 0.7]
+    assert curves["|vLLM - learner| logprob"][1].tolist() == [1e-6, 2e-6]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
+import logging
 import os
 import secrets
 import shutil
@@ -187,7 +187,10 @@ def test_network_connection_is_refused():
 
 
 def test_socket_guard_refuses_connections_where_namespaces_are_refused(monkeypatch):
-    without_namespace = dataclasses.replace(sandbox._isolation(), namespaces=False)
+    # The interpreter is the first that starts without namespaces: root's may lie where
+    # `nobody` can reach it only through the sandbox's own root.
+    candidates = sandbox._candidates()  # best first
+    without_namespace = next(c for c in candidates if not c.namespaces and sandbox._starts(c))
     monkeypatch.setattr(sandbox, "_isolation", lambda: without_namespace)
     with socket.create_server(("127.0.0.1", 0)) as server:
         inside = run_python(CONNECT.format(port=server.getsockname()[1]))
@@ -226,11 +229,45 @@ def test_tests_after_the_code_hangs_count_as_failed():
     assert code_tests(["p"], [SQUARE], tests=tests, timeout_s=1) == [pytest.approx(1 / 3)]
 
 
+# Reads the harness's frame for its marker and result channel, as a policy did.
+READS_THE_HARNESS_FRAME = """\
+import os, sys
+harness = sys._getframe(1).f_locals
+for i in range(3):
+    os.write(harness["results"], f"{harness['marker']} {i} pass\\n".encode())
+os._exit(0)
+"""
+# Takes every string and small int held in any frame or in any object the collector
+# tracks for a marker or a channel, and writes to each a passing report with each, and
+# each as a test's value.
+SCANS_FRAMES_AND_GC = """\
+import gc, json, os, sys
+found = set()
+frame = sys._getframe()
+while frame is not None:
+    found.update(v for v in frame.f_locals.values() if type(v) in (str, int))
+    frame = frame.f_back
+for holder in gc.get_objects():
+    if type(holder) in (list, tuple):
+        found.update(v for v in holder if type(v) in (str, int))
+texts = [v for v in found if type(v) is str and " " not in v and len(v) < 100]
+for fd in [v for v in found if type(v) is int and 0 < v < 64] + [1, 2, 3, 4]:
+    for text in texts:
+        for i in range(3):
+            try:
+                value = json.dumps(["value", ["str", text]])
+                os.write(fd, f"{text} {i} pass\\n{i} {value}\\n".encode())
+            except OSError:
+                pass
+os._exit(0)
+"""
 FORGERIES = {
     "prints_result_lines": "import os\nfor i in range(3):\n    print(f'x {i} pass')\n"
     "    os.write(1, f'{i} pass\\n'.encode())\nos._exit(0)",
     "replaces_exec": "import builtins\nbuiltins.exec = lambda *args, **kwargs: None",
     "exits_before_the_tests": "import os\nos._exit(0)",
+    "reads_the_harness_frame": READS_THE_HARNESS_FRAME,
+    "scans_frames_and_gc_for_the_harness": SCANS_FRAMES_AND_GC,
 }
 
 
@@ -238,6 +275,96 @@ FORGERIES = {
 def test_solution_that_forges_results_gets_no_credit(solution):
     tests = [["assert square(3) == 9", "assert 1 == 2", "assert square(1) == 1"]]
     assert code_tests(["p"], [solution], tests=tests) == [0.0]
+
+
+# Each defines square(x) to return an object that claims to equal (and be close to)
+# anything, so that every comparison in the tests holds.
+ALWAYS_EQUAL = {
+    "object": "class Equal:\n"
+    "    __eq__ = __le__ = __ge__ = __lt__ = __gt__ = lambda self, other: True\n"
+    "    __ne__ = lambda self, other: False\n"
+    "    __hash__ = lambda self: 0\n"
+    "    __sub__ = __rsub__ = __abs__ = lambda self, *other: self\n",
+    "int_subclass": "class Equal(int):\n"
+    "    __eq__ = lambda self, other: True\n    __ne__ = lambda self, other: False\n"
+    "    __hash__ = int.__hash__\n",
+    "str_subclass": "class Equal(str):\n"
+    "    __eq__ = lambda self, other: True\n    __ne__ = lambda self, other: False\n"
+    "    __hash__ = str.__hash__\n",
+}
+
+
+@pytest.mark.parametrize("kind", ALWAYS_EQUAL, ids=ALWAYS_EQUAL.keys())
+def test_results_that_claim_to_equal_anything_get_no_credit(kind):
+    solution = f"{ALWAYS_EQUAL[kind]}\ndef square(x):\n    return Equal()\n"
+    tests = [["assert square(3) == 9", "assert 4 == square(2)", "assert abs(square(1) - 1) < 1e-9"]]
+    assert code_tests(["p"], [solution], tests=tests) == [0.0]
+
+
+# Searches everything the code's process holds (objects the collector tracks, frames)
+# for a 16-digit hex token, and returns the first it finds.
+HARVESTS_EXPECTED_VALUES = r"""
+import gc, re, sys
+TOKEN = re.compile(r"(?<![0-9a-f])[0-9a-f]{16}(?![0-9a-f])")
+def texts():
+    frame = sys._getframe()
+    while frame is not None:
+        yield from (v for v in frame.f_locals.values() if isinstance(v, str))
+        frame = frame.f_back
+    for holder in gc.get_objects():
+        if isinstance(holder, (list, tuple, dict)):
+            yield from (v for v in holder if isinstance(v, str))
+def secret():
+    for text in texts():
+        match = TOKEN.search(text)
+        if match:
+            return "rlray-" + match.group()
+"""
+
+
+def test_expected_values_never_reach_the_code_under_test():
+    token = secrets.token_hex(8)
+    tests = [[f"assert secret() == 'rlray-{token}'", f"assert secret() == 'rlray-' + '{token}'"]]
+    assert code_tests(["p"], [HARVESTS_EXPECTED_VALUES], tests=tests) == [0.0]
+
+
+SHAPES = """\
+import math
+def area(r):
+    return math.pi * r * r
+def divisors(n):
+    if n <= 0:
+        raise ValueError(n)
+    return {d for d in range(1, n + 1) if n % d == 0}
+class Grid:
+    def __init__(self, n):
+        self.cells = [[0] * n for _ in range(n)]
+    def size(self):
+        return (len(self.cells), len(self.cells[0]))
+"""
+GENERAL_TESTS = [
+    "assert abs(area(1) - 3.14159) < 1e-3",
+    "assert math.isclose(area(2), 12.566, rel_tol=1e-3)",
+    "assert sorted(divisors(12)) == [1, 2, 3, 4, 6, 12]",
+    "assert not divisors(1) - {1}",
+    "try:\n    divisors(0)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError",
+    "assert Grid(3).size() == (3, 3) and Grid(3).cells[1] == [0, 0, 0]",
+    "import fractions",
+    "assert fractions.Fraction(area(0)) == 0",
+]
+
+
+def test_tests_of_other_forms_than_equality_are_judged_as_written():
+    broken = SHAPES.replace("math.pi * r * r", "3 * r * r").replace("raise ValueError(n)", "pass")
+    scores = code_tests(["p"] * 2, [SHAPES, broken], tests=[GENERAL_TESTS] * 2)
+    assert scores == [1.0, pytest.approx(5 / 8)]
+
+
+def test_test_whose_call_needs_its_own_variables_fails_with_a_warning(caplog):
+    tests = [["for x in range(3):\n    assert square(x) == x * x", "assert square(3) == 9"]]
+    with caplog.at_level(logging.WARNING, logger="rlray.rewards.code"):
+        assert code_tests(["p"], [SQUARE], tests=tests) == [0.5]
+    assert "for x in range(3)" in caplog.text
 
 
 def test_code_is_taken_from_the_last_fenced_block():
@@ -372,6 +499,125 @@ def test_shared_memory_is_held_to_the_runs_tmpfs_size(isolated):
         for path in Path("/dev/shm").glob(f"{prefix}-*"):
             path.unlink()
     assert 0 < int(result.stdout) <= SandboxLimits().tmp_mb  # MiB files, of 96 MiB
+
+
+# What the code's file system may show at its top: the interpreter's and the system's
+# libraries, and the run's own /dev, /proc and temporary directories.
+SYSTEM_ROOTS = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin"}
+SYSTEM_ROOTS |= {"tmp", "usr", "var"}
+LOOK_AROUND = """\
+import os
+seen = {{}}
+for path in {paths!r}:
+    try:
+        seen[path] = os.listdir(path)
+    except PermissionError:
+        seen[path] = "unlistable"
+    except FileNotFoundError:
+        pass
+print(sorted(os.listdir("/")))
+print(seen)
+"""
+
+
+def test_code_sees_only_the_interpreter_and_system_libraries(isolated):
+    interpreter = Path(os.path.realpath(sandbox._isolation().interpreter))
+    private = ["/work", "/root", "/home", "/mnt", "/opt", "/run", os.getcwd()]
+    result = run_python(LOOK_AROUND.format(paths=private))
+    top, seen = result.stdout.splitlines()
+    assert set(ast.literal_eval(top)) <= SYSTEM_ROOTS | {interpreter.parts[1]}, result.stderr
+    # Directories on the way to the interpreter (/root/.pyenv/...) can be passed through,
+    # never listed; the others are not there.
+    on_the_way = {path: "unlistable" for path in private if Path(path) in interpreter.parents}
+    assert ast.literal_eval(seen) == on_the_way
+
+
+READ_FILE = """\
+try:
+    print(open({path!r}).read())
+except OSError as error:
+    print("refused:", type(error).__name__)
+"""
+
+
+@pytest.mark.parametrize("where", ["callers_cwd", "host_tmp"])
+def test_run_directories_and_host_files_cannot_be_read(isolated, where):
+    # A run directory as jobs write it, world-readable, so that only the sandbox's file
+    # system (not the file's mode) keeps the code out.
+    parent = os.getcwd() if where == "callers_cwd" else "/tmp"
+    run_dir = tempfile.mkdtemp(prefix="rlray-sandbox-probe-", dir=parent)
+    try:
+        os.chmod(run_dir, 0o755)
+        config = Path(run_dir, "config.yaml")
+        config.write_text(f"token: {secrets.token_hex(8)}\n")
+        config.chmod(0o644)
+        result = run_python(READ_FILE.format(path=str(config)))
+    finally:
+        shutil.rmtree(run_dir)
+    assert result.stdout == "refused: FileNotFoundError\n", result.stdout + result.stderr
+
+
+NATIVE_MODULES = """\
+import bz2, ctypes, decimal, hashlib, locale, lzma, multiprocessing, sqlite3, ssl, zlib
+import subprocess, sys
+callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda x: x + 1)
+shell = subprocess.run(["sh", "-c", "echo sh"], capture_output=True, text=True).stdout
+print(callback(1), sqlite3.connect(":memory:").execute("select 3").fetchone()[0], shell.strip())
+"""
+
+
+def test_standard_library_modules_with_native_code_still_work():
+    result = run_python(NATIVE_MODULES)
+    assert result.stdout == "2 3 sh\n", result.stderr
+
+
+@pytest.fixture
+def filtered():
+    """Skips where the child's system calls are not filtered (no libseccomp.so.2)."""
+    if not sandbox._isolation().seccomp:
+        pytest.skip("no seccomp filter on this machine: the sandbox logs what does not hold")
+
+
+# Holds 1.5 GiB in memory that is in no process's address space once written.
+HOLD_MEMORY = {
+    "memfd": """\
+import os
+held = []
+for _ in range(48):  # files of 32 MiB: each under RLIMIT_FSIZE
+    held.append(os.memfd_create("hold"))
+    os.write(held[-1], bytes(32 * 2**20))
+print("held", sum(os.fstat(fd).st_size for fd in held) >> 20)
+""",
+    "sysv_shared_memory": """\
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+for _ in range(4):
+    segment = libc.shmget(0, 384 * 2**20, 0o600 | 0o1000)  # IPC_PRIVATE, IPC_CREAT
+    address = libc.shmat(segment, None, 0)
+    if segment < 0 or address in (None, 2**64 - 1):
+        break
+    ctypes.memset(address, 1, 384 * 2**20)
+    libc.shmdt(ctypes.c_void_p(address))
+    held += 384
+print("held", held)
+""",
+}
+
+
+@pytest.mark.parametrize("source", HOLD_MEMORY.values(), ids=HOLD_MEMORY.keys())
+def test_memory_outside_the_address_space_is_refused(isolated, filtered, source):
+    result = run_python(source, SandboxLimits(memory_mb=512, timeout_s=20))
+    assert "held 1536" not in result.stdout, result.stdout + result.stderr
+
+
+def test_a_sandbox_that_cannot_hide_the_file_system_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_starts", lambda isolation: not isolation.namespaces)
+    with caplog.at_level(logging.WARNING, logger="rlray.sandbox.run"):
+        isolation = sandbox._probe_isolation.__wrapped__()
+    assert not isolation.namespaces
+    assert "code reads every file its user may read" in caplog.text
 
 
 MAKE_NAMESPACES = """\

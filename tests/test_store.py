@@ -1,7 +1,9 @@
-"""EpisodeStore writes batched, partitioned Parquet that rlray.episodes reads back."""
+"""EpisodeStore writes batched, partitioned Parquet that rlray.episodes reads back; a
+write that fails names its file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
@@ -11,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlray.episodes.reader import read, summarize
-from rlray.episodes.store import EpisodeStore, mark_trained
+from rlray.episodes.store import EpisodeStore, Journal, mark_trained
+from rlray.observe.metrics_log import MetricsLog
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
 
@@ -192,3 +195,19 @@ def test_presigned_url_service_uploads_without_credentials(tmp_path, monkeypatch
     finally:
         signer.shutdown()
         server.stop()
+
+
+def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does; the error names
+    the run's file, which the bare errno does not."""
+    journal = Journal(tmp_path / "journal")
+    staging = tmp_path / "journal" / "000000000000-k.arrow.tmp"
+    staging.symlink_to("/dev/full")
+    with pytest.raises(OSError) as raised:
+        journal.record("k", [make_episode()])
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(staging)
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(OSError) as raised:
+        MetricsLog(tmp_path).write({"step": 1, "padding": "x" * 65536})
+    assert raised.value.filename == str(tmp_path / "metrics.jsonl")
+    assert str(raised.value) == f"[Errno 28] No space left on device: '{tmp_path}/metrics.jsonl'"

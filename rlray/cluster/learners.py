@@ -14,6 +14,7 @@ from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config
 from rlray.core.episode import Episode
 from rlray.core.stats import StepMetrics
+from rlray.observe.console import send_engine_output_to
 
 if TYPE_CHECKING:  # torch stays out of this module: every actor process imports it
     from rlray.weights.packing import PackedWeights
@@ -50,7 +51,16 @@ class LearnerActor(_GroupMember):
 
     One of `world_size` learners: its models are sharded across the group."""
 
-    def __init__(self, run_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        *args: Any,
+        engine_log: str | None = None,
+        **kwargs: Any,
+    ):
+        send_engine_output_to(engine_log)  # torch's output, rlray.observe.console
         self.rank, self.world_size = rank, world_size
         self.learner_args, self.learner_kwargs = args, kwargs
         self.telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")

@@ -33,6 +33,7 @@ from rlray.episodes.ingest import (
     store_key,
 )
 from rlray.episodes.store import mark_trained, open_store
+from rlray.observe.console import send_engine_output_to
 from rlray.rewards.worker import RewardWorker
 from rlray.rollout.worker import RolloutWorker
 
@@ -43,9 +44,17 @@ if TYPE_CHECKING:
 class RolloutActor(RolloutWorker):
     """The RolloutWorker; weights arrive as packed byte arrays from the object store.
     Restarted by Ray, it holds the base model again: where a learner's weights are what
-    it should hold (`awaits_weights`), it refuses to generate until it loaded them."""
+    it should hold (`awaits_weights`), it refuses to generate until it loaded them.
+    vLLM's output goes to `engine_log` (rlray.observe.console)."""
 
-    def __init__(self, *args: Any, awaits_weights: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        awaits_weights: bool = True,
+        engine_log: str | None = None,
+        **kwargs: Any,
+    ):
+        send_engine_output_to(engine_log)  # before vLLM is imported
         super().__init__(*args, **kwargs)
         self.telemetry = Telemetry(self.run_id, self.name)
         self.telemetry.set("rlray_policy_version", self.policy_version)

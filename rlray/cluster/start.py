@@ -4,15 +4,22 @@ them, each waited for with a timeout; where each runs, and how to stop them.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlray.cluster import local_ray_watchdog
 from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, role_resources
@@ -96,15 +103,52 @@ def _wait_until_names_free(names: list[str], timeout_s: float) -> None:
 
 def connect(address: str, num_cpus: int) -> None:
     """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
-    starts a new single-node Ray for this job, even if a `ray start` cluster runs here."""
+    starts a new single-node Ray for this job, even if a `ray start` cluster runs here.
+
+    The caller's SIGTERM handler stays: ray.init installs one that exits at once, and a
+    SIGINT or SIGTERM that arrives while it runs waits (blocked) for the caller's."""
     if ray.is_initialized():
         return
+    # The driver's core worker would print a native stack dump on SIGTERM, which stops a
+    # run as Ctrl-C does (its actors' workers keep their crash reports).
+    ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     target = address or os.environ.get("RAY_ADDRESS", "")
-    if target:
-        _send_auth_token_if_any()
-        ray.init(address=target)
-    else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    handler = signal.getsignal(signal.SIGTERM)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        if target:
+            _send_auth_token_if_any()
+            ray.init(address=target)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,  # not "Started a local Ray instance"
+            )
+            _end_local_ray_with_this_process()
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _end_local_ray_with_this_process() -> None:
+    """Starts local_ray_watchdog.py over the processes of the Ray this process started,
+    so that none of them outlives it (see there)."""
+    processes = [
+        f"{child.pid}:{started}"
+        for child in psutil.Process().children(recursive=True)
+        if (started := local_ray_watchdog.start_time(child.pid)) is not None
+    ]
+    read_end, _ = os.pipe()  # the write end stays open, unshared, while this process lives
+    subprocess.Popen(
+        [sys.executable, local_ray_watchdog.__file__, str(read_end), *processes],
+        pass_fds=(read_end,),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    os.close(read_end)
 
 
 def _send_auth_token_if_any() -> None:
@@ -221,9 +265,15 @@ def _start_rollout_workers(
             config.seed + i,
             version,
             awaits_weights=awaits_weights,
+            engine_log=engine_log(config, name),
         )
         for i, name in enumerate(names)
     ]
+
+
+def engine_log(config: Config, actor: str) -> str | None:
+    """Returns the file an engine actor's own output goes to: run_dir/logs/<actor>.log."""
+    return str(Path(config.run_dir) / "logs" / f"{actor}.log") if config.run_dir else None
 
 
 def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) -> Any:
@@ -266,6 +316,7 @@ def _start_learners(
                 seed=config.seed,
                 device=device,
                 checkpoint=checkpoint,
+                engine_log=engine_log(config, name),
             )
         )
         group.handles.append(handle)

@@ -58,3 +58,10 @@ def stop_on_sigterm() -> None:
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def stop_at_once_on_signals() -> None:
+    """Lets SIGINT and SIGTERM end the process at once, as their defaults do: for the
+    shutdown after a run (Ray's, at exit), which a traceback would only clutter."""
+    for signum in HELD_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)

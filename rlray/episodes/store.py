@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from rlray.config import StoreConfig
 from rlray.core.episode import Episode, from_table, to_table, validate_episodes
+from rlray.core.files import writing
 from rlray.core.stats import StoreStats
 
 
@@ -78,7 +79,11 @@ class Journal:
         final = self.directory / f"{self._next_seq:012d}-{key}.arrow"
         staging = final.with_name(final.name + ".tmp")
         table = to_table(episodes)
-        with pa.OSFile(str(staging), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+        with (
+            writing(staging),
+            pa.OSFile(str(staging), "wb") as sink,
+            pa.ipc.new_file(sink, table.schema) as out,
+        ):
             out.write_table(table)
         os.replace(staging, final)
         self._next_seq += 1
@@ -91,7 +96,7 @@ class Journal:
     def written(self) -> None:
         """Marks every pending append as written to files: listed first, then deleted."""
         seqs_keys = [_JOURNAL_NAME.fullmatch(path.name).groups() for path in self.pending]
-        with self._written.open("a") as out:
+        with writing(self._written), self._written.open("a") as out:
             out.write("".join(f"{seq} {key}\n" for seq, key in seqs_keys))
         for path in self.pending:
             path.unlink()
@@ -176,7 +181,8 @@ class EpisodeStore:
         final = self.root / relative
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.with_name(f".{final.name}.tmp")
-        pq.write_table(to_table(episodes), staging, compression="zstd")
+        with writing(staging):
+            pq.write_table(to_table(episodes), staging, compression="zstd")
         staging.rename(final)
         self.episodes_written += len(episodes)
         self.files_written += 1

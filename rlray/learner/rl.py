@@ -27,6 +27,7 @@ from rlray.algorithms.algorithm import Advantages, Algorithm, MicroBatch, StepIn
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.core.checkpoints import publish_checkpoint, staging_directory
 from rlray.core.episode import Episode, ModelLimits, validate_episodes
+from rlray.core.files import writing
 from rlray.core.groups import check_whole_groups, group_indexes
 from rlray.core.stats import StepMetrics
 from rlray.data.models import resolve_model_path
@@ -379,7 +380,8 @@ class Learner:
         writer = self.engine.rank == 0
         staging = staging_directory(run_dir, self.version, create=writer)
         dd.barrier()  # the staging directory exists for every learner
-        self.engine.save(staging, self.tokenizer)
+        with writing(staging):
+            self.engine.save(staging, self.tokenizer)
         dd.barrier()  # every learner's shard is written
         state = {
             "version": self.version,
@@ -388,7 +390,10 @@ class Learner:
             "reference_model": self.model_path,
         }
         final = staging.parent / f"step-{self.version:06d}"
-        return publish_checkpoint(staging, state) if writer else final
+        if not writer:
+            return final
+        with writing(staging / "state.json"):
+            return publish_checkpoint(staging, state)
 
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlray.core.files import writing
 from rlray.observe.tracking import Trackers
 
 
@@ -18,7 +19,7 @@ class MetricsLog:
         self.trackers = trackers
 
     def write(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as out:
+        with writing(self.path), self.path.open("a") as out:
             out.write(json.dumps(record) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)

@@ -1,7 +1,8 @@
 """The end-of-run report: report.png, four panels drawn from metrics.jsonl and summary.json.
 
-Reward, held-out accuracy, KL and throughput against the learner step, one look to tell
-whether a run learned. Drawn with matplotlib's Agg canvas on a bare `Figure` (no pyplot),
+Reward, held-out accuracy, how the policy moves (KL to the reference, else entropy and
+the rollout/learner logprob gap) and throughput against the learner step, one look to
+tell whether a run learned. Drawn with matplotlib's Agg canvas on a bare `Figure` (no pyplot),
 so it needs no display and leaves any other plotting in the process alone.
 """
 
@@ -63,10 +64,10 @@ def write_report(run_dir: Path) -> Path:
     records = read_metrics(run_dir)
     figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
     # One x axis for all four: a jump in KL lines up with the reward at the same step.
-    (reward, accuracy), (kl, throughput) = figure.subplots(2, 2, sharex=True)
+    (reward, accuracy), (policy, throughput) = figure.subplots(2, 2, sharex=True)
     _plot_reward(reward, records)
     _plot_accuracy(accuracy, records)
-    _plot_kl(kl, records)
+    _plot_policy(policy, records)
     _plot_throughput(throughput, records)
     figure.suptitle(_title(run_dir, records), fontsize=14)
     path = run_dir / "report.png"
@@ -100,10 +101,30 @@ def _plot_accuracy(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
     _decorate(axes, "Held-out accuracy", "accuracy", has_data=len(accuracy) > 0, legend=False)
 
 
-def _plot_kl(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+Curves = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def policy_curves(records: dict[int, dict[str, Any]]) -> tuple[str, str, Curves]:
+    """Returns (title, y label, {label: (steps, values)}) of the panel on how the policy
+    moves: its KL to the reference where the run holds one (algorithm.kl_coef > 0); else
+    its entropy, and the mean gap between vLLM's logprobs and the learner's (staleness
+    and the rollout correction's work), which every run logs."""
     steps, kl = series(records, "kl")
-    _line(axes, steps, kl, "KL")
-    _decorate(axes, "KL to the reference model", "KL", has_data=len(kl) > 0, legend=False)
+    if len(kl):
+        return "KL to the reference model", "KL", {"KL": (steps, kl)}
+    curves = {
+        "entropy": series(records, "entropy"),
+        "|vLLM - learner| logprob": series(records, "rollout_logprob_diff_mean"),
+    }
+    return "Policy entropy and rollout gap", "nats per token", curves
+
+
+def _plot_policy(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
+    title, ylabel, curves = policy_curves(records)
+    drawn = {label: curve for label, curve in curves.items() if len(curve[1])}
+    for label, (steps, values) in drawn.items():
+        _line(axes, steps, values, label)
+    _decorate(axes, title, ylabel, has_data=bool(drawn), legend=len(curves) > 1)
 
 
 def _plot_throughput(axes: Axes, records: dict[int, dict[str, Any]]) -> None:

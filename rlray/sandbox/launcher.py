@@ -5,34 +5,49 @@ single-threaded interpreter (never between fork and exec in the caller, which ma
 Ray actor with threads). It imports only the standard library: `-S` leaves
 site-packages out. As root it stays root until the namespaces and mounts are made. With
 namespaces it forks: this process (the watcher) stays outside the new pid namespace and
-exits as the code does; its child is pid 1 there, sets up the file system and execs the
-code.
+exits as the code does; its child is pid 1 there, moves into a root of its own (see
+`private_file_system`) and execs the code.
 
 The config's keys: caller (pid that must stay its parent), rlimits ([resource, value]
-pairs), namespaces, seccomp (bools), user ([uid, gid] or null), tmp_mb, workdir, and
-command (argv to exec).
+pairs), namespaces, seccomp (bools), user ([uid, gid] or null), tmp_mb, workdir (also
+the code's home in /etc/passwd), and command (argv to exec).
 """
 
 import contextlib
 import ctypes
 import json
 import os
+import pwd
 import resource
 import signal
 import sys
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+LIBC.pivot_root.argtypes = [ctypes.c_char_p] * 2
+LIBC.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 LIBC.syscall.restype = ctypes.c_long
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+MNT_DETACH = 0x2
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000  # 442 on every arch
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 CLONE_NEWUSER = 0x10000000
 # mount, cgroup, UTS, IPC, pid, network
 CLONE_NEW_OTHERS = (0x20000, 0x2000000, 0x4000000, 0x8000000, 0x20000000, 0x40000000)
 TMPFS_INODES = 16384  # files and directories; empty ones cost kernel memory but no size
+
+# The new root is built on a tmpfs mounted here, in the old root, then made "/".
+NEW_ROOT = "/tmp"
+# What the code sees of the host, read-only: the system's programs and libraries (where
+# one is a link, as /bin -> usr/bin on merged-/usr systems, the link), and the
+# interpreter's prefix wherever that lies.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "fd/0", "stdout": "fd/1", "stderr": "fd/2"}
+# The loader's index of libraries, and the time zone; passwd and group are written.
+HOST_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
 # Refused with EPERM (the code's own mount namespace is fixed).
 REFUSED = (
@@ -41,6 +56,8 @@ REFUSED = (
     *("fsopen", "fsconfig", "fsmount", "fspick"),
     *("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd"),  # others' memory
     *("keyctl", "add_key", "request_key"),  # kernel keyrings: one per uid, shared by runs
+    # memory that no address space holds, so beyond RLIMIT_AS (tmpfs files count in tmp_mb)
+    *("memfd_create", "memfd_secret", "shmget", "msgget"),
     # interfaces that only widen the kernel's attack surface
     *("bpf", "perf_event_open", "userfaultfd"),
     *("io_uring_setup", "io_uring_enter", "io_uring_register"),
@@ -73,9 +90,13 @@ def main(config):
     tie_to_parent(lambda: os.getppid() == config["caller"])
     for which, value in config["rlimits"]:
         resource.setrlimit(which, (value, value))
+    command = config["command"]
+    # Loaded while the host's libraries are still in reach.
+    seccomp = ctypes.CDLL("libseccomp.so.2") if config["seccomp"] else None
     if config["namespaces"]:
         watcher_gone = enter_namespaces()
-        private_file_system(config["tmp_mb"])
+        user = config["user"] or (os.getuid(), os.getgid())
+        command = private_file_system(config["tmp_mb"], command, user, config["workdir"])
         os.chdir(config["workdir"])
     if config["user"] is not None:
         drop_privileges(*config["user"])
@@ -87,9 +108,9 @@ def main(config):
     else:
         tie_to_parent(lambda: os.getppid() == config["caller"])
     check(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))  # no setuid program gives them back
-    if config["seccomp"]:
-        refuse_system_calls()
-    os.execv(config["command"][0], config["command"])
+    if seccomp is not None:
+        refuse_system_calls(seccomp)
+    os.execv(command[0], command)
 
 
 def tie_to_parent(parent_alive):
@@ -154,24 +175,110 @@ def _encode(text):
     return None if text is None else text.encode()
 
 
-def private_file_system(tmp_mb):
-    """Makes every mount read-only and mounts one private tmpfs at /tmp, /var/tmp and
-    /dev/shm, so that the run has one size limit for all three."""
+def private_file_system(tmp_mb, command, user, home):
+    """Moves this process into a new root that shows the host's system libraries and the
+    interpreter only, read-only, with a fresh /proc and one private tmpfs at /tmp,
+    /var/tmp and /dev/shm; returns `command` with its program's real path (the path it
+    was given, a venv's link say, may not exist in the new root)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below reaches the host
-    attr = MountAttr(set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)
+    program = os.path.realpath(command[0])
+    build_root(visible_directories(program), user, home)
+    enter_root()
+    set_attributes("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)  # every mount, recursively
+    private_tmp(tmp_mb)
+    return [program, *command[1:]]
+
+
+def visible_directories(program):
+    """Returns the host directories the code sees, none inside another: the system's and
+    the interpreter's (this process runs the same one as the code)."""
+    wanted = [*SYSTEM_PATHS, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(program)]
+    chosen = []
+    found = {os.path.realpath(p) for p in wanted if os.path.isdir(p)} - {"/"}  # "/": all
+    for path in sorted(found, key=len):
+        if not any(path == other or path.startswith(other + "/") for other in chosen):
+            chosen.append(path)
+    return chosen
+
+
+def build_root(directories, user, home):
+    mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=0755")
+    for path in directories:
+        make_passage(NEW_ROOT + path)
+        mount(path, NEW_ROOT + path, None, MS_BIND | MS_REC)
+    for path in SYSTEM_PATHS:
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), NEW_ROOT + path)
+    for path in ("/etc", "/dev", "/proc", "/tmp", "/var/tmp"):
+        os.makedirs(NEW_ROOT + path)
+    for path in (*(f"/dev/{name}" for name in DEVICES), *HOST_FILES):
+        if os.path.exists(path):
+            bind_file(path)
+    for name, target in DEVICE_LINKS.items():
+        os.symlink(target, f"{NEW_ROOT}/dev/{name}")
+    os.mkdir(f"{NEW_ROOT}/dev/shm")
+    write_user_files(*user, home)
+    # A fresh /proc lists only this run's processes; a container may refuse it. Mounted
+    # while the host's /proc is in view: a user namespace may not mount one otherwise.
+    with contextlib.suppress(OSError):
+        mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+
+
+def make_passage(path):
+    """Makes `path` and the directories on the way to it, which can be passed through but
+    not listed: on the way to an interpreter in /root/.pyenv, say, /root shows nothing."""
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        make_passage(parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o711)
+
+
+def bind_file(path):
+    with open(NEW_ROOT + path, "x"):
+        pass
+    mount(path, NEW_ROOT + path, None, MS_BIND)
+
+
+def write_user_files(uid, gid, home):
+    """Writes /etc/passwd and /etc/group that name root and the code's user only."""
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = "sandbox"
+    users = {0: ("root", 0, "/root"), uid: (name, gid, home)}
+    with open(f"{NEW_ROOT}/etc/passwd", "w") as file:
+        for number, (login, group, directory) in users.items():
+            file.write(f"{login}:x:{number}:{group}::{directory}:/usr/sbin/nologin\n")
+    with open(f"{NEW_ROOT}/etc/group", "w") as file:
+        file.write("".join(f"{login}:x:{group}:\n" for login, group, _ in users.values()))
+
+
+def enter_root():
+    """Makes the new root "/" and detaches the old one: no host path is left in reach."""
+    os.chdir(NEW_ROOT)
+    check(LIBC.pivot_root(b".", b"."))  # the old root now lies stacked on the new
+    check(LIBC.umount2(b".", MNT_DETACH))
+    os.chdir("/")
+
+
+def set_attributes(path, flags):
+    attr = MountAttr(set=flags)
     check(
         LIBC.syscall(
             SYS_MOUNT_SETATTR,
             ctypes.c_long(AT_FDCWD),
-            b"/",
+            path.encode(),
             ctypes.c_long(AT_RECURSIVE),
             ctypes.byref(attr),
             ctypes.c_long(ctypes.sizeof(attr)),
         )
     )
-    # A fresh /proc lists only this run's processes; a container may refuse it.
-    with contextlib.suppress(OSError):
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+
+
+def private_tmp(tmp_mb):
+    """Mounts one private tmpfs at /tmp, /var/tmp and /dev/shm, so that the run has one
+    size limit for all three."""
     mount(
         "tmpfs",
         "/tmp",
@@ -184,8 +291,7 @@ def private_file_system(tmp_mb):
     for name, target in (("var-tmp", "/var/tmp"), ("shm", "/dev/shm"), ("tmp", "/tmp")):
         os.mkdir(f"/tmp/{name}")
         os.chmod(f"/tmp/{name}", 0o1777)
-        if os.path.isdir(target):
-            mount(f"/tmp/{name}", target, None, MS_BIND)
+        mount(f"/tmp/{name}", target, None, MS_BIND)
 
 
 def drop_privileges(uid, gid):
@@ -194,8 +300,7 @@ def drop_privileges(uid, gid):
     os.setresuid(uid, uid, uid)
 
 
-def refuse_system_calls():
-    seccomp = ctypes.CDLL("libseccomp.so.2")
+def refuse_system_calls(seccomp):
     seccomp.seccomp_init.restype = ctypes.c_void_p
     seccomp.seccomp_init.argtypes = [ctypes.c_uint32]
     seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]

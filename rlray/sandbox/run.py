@@ -2,14 +2,22 @@
 
 What the child gets, where the machine allows it (probed once per process and logged):
 - its own user-visible world: new mount, pid, network, IPC, UTS and cgroup namespaces
-  (and a user namespace when rlray is not root). The file system is read-only, bar one
-  private tmpfs of `tmp_mb` that is its cwd and $HOME and is mounted at /tmp, /var/tmp
-  and /dev/shm: no shared writable directory (nor Ray's session directory, /tmp/ray) is
-  reachable, and shared memory counts against a limit. /proc shows only its processes;
-  its network has only lo, down;
+  (and a user namespace when rlray is not root), and a root of its own, a tmpfs it is
+  pivoted into, the host's root detached. It sees, read-only, the system's programs and
+  libraries (/usr, /bin, /sbin, /lib*), the interpreter's prefix wherever that lies (the
+  directories on the way to it, /root/.pyenv say, can be passed through, not listed),
+  /dev/{null,zero,full,random,urandom}, /etc/ld.so.cache and /etc/localtime, and a
+  passwd and group naming root and its own user. Nothing else of the host: no /work,
+  /root, /home or /tmp, no run directory (config.yaml, checkpoints, Parquet files), not
+  the caller's cwd. One private tmpfs of `tmp_mb` is its cwd and $HOME and is mounted
+  at /tmp, /var/tmp and /dev/shm: no shared writable directory (nor Ray's session
+  directory) is reachable, and shared memory counts against a limit. /proc shows only
+  its processes; its network has only lo, down;
 - a seccomp filter that refuses new namespaces (unshare, setns, clone with CLONE_NEW*
   flags; clone3, whose flags a filter cannot read, looks absent so that libc falls back
-  to clone), mounts, ptrace and a few kernel interfaces it has no use for;
+  to clone), mounts, ptrace, memory that no address space holds (memfd_create,
+  memfd_secret, SysV shared memory and message queues: RLIMIT_AS would not count it)
+  and a few kernel interfaces it has no use for;
 - pid 1 of its pid namespace is the code itself: when it exits or is killed, the kernel
   kills every process left in the namespace, and in namespaces nested in it, before
   `run_python` returns. A process of one run cannot name (so cannot signal) another's.
@@ -30,20 +38,22 @@ keyrings, io_uring) would still be ours. The setup runs in a launcher (`launcher
 fresh single-threaded interpreter that the caller execs, never between fork and exec in
 the caller, which may be a Ray actor with threads. A run costs about 20-35 ms more than
 a bare child (the launcher's start and the namespaces; 39 -> 73 ms median for a small
-program on the loaded 2-core reference machine).
+program on the loaded 2-core reference machine); building its own root adds some 3 ms.
 
 Where namespaces are refused (a container without CAP_SYS_ADMIN, a kernel without user
-namespaces or mount_setattr), the child runs without them, and the log says so: then the
-code can write to /tmp, /var/tmp, /dev/shm and anything its user may write, reaches the
-network but for a socket guard that determined code can undo, can signal other runs as
-the same user, and processes that leave its process group outlive it. Without
-libseccomp.so.2 (also logged) code can make namespaces of its own, nested in the run's
-and killed with it.
+namespaces, mount_setattr or pivot_root), or its own root cannot be built (an
+interpreter under /tmp, where the new root is made), the child runs without them, and
+the log says so: then the code reads every file its user may read (run directories
+among them), can write to /tmp, /var/tmp, /dev/shm and anything its user may write,
+reaches the network but for a socket guard that determined code can undo, can signal
+other runs as the same user, and processes that leave its process group outlive it
+(and can reach later runs of the same user). Without libseccomp.so.2 (also logged) code
+can make namespaces of its own, nested in the run's and killed with it, and hold memory
+in memfds and SysV shared memory beyond its limit.
 
-Not covered anywhere: a read-only mount does not stop connecting to a Unix socket that
-its user has write permission on (those under /tmp, Ray's included, are hidden); memory
-held in pipes or memfds escapes RLIMIT_AS; runs as `nobody` share that user's
-RLIMIT_NPROC count, so one run's processes can make another's fork fail.
+Not covered anywhere: memory held in pipe and socket buffers escapes RLIMIT_AS (the
+kernel bounds pipes per user); runs as `nobody` share that user's RLIMIT_NPROC count,
+so one run's processes can make another's fork fail.
 """
 
 from __future__ import annotations
@@ -337,7 +347,7 @@ def _probe_isolation() -> _Isolation:
 def _candidates() -> list[_Isolation]:
     """Returns the ways to start a child, best first: another user, then namespaces, then
     seccomp, then this interpreter over the system's (root's may lie where `nobody`
-    cannot read it)."""
+    reaches it only through the sandbox's own root)."""
     interpreters = [sys.executable]
     system_python = shutil.which("python3", path=_SYSTEM_PATH)
     if system_python is not None and system_python != sys.executable:
@@ -396,15 +406,21 @@ def _log_isolation(isolation: _Isolation) -> None:
     weaker = []
     if isolation.user is None:
         who = "root: RLIMIT_NPROC does not bind it" if os.geteuid() == 0 else "this user"
-        weaker.append(f"code runs as {who}, and can read and write that user's files")
+        # With namespaces its own root shows no file of that user's, and nothing writable.
+        files = "" if isolation.namespaces else ", and can read and write that user's files"
+        weaker.append(f"code runs as {who}{files}")
     if not isolation.namespaces:
         weaker.append(
-            "no namespaces: code shares /tmp, /var/tmp and /dev/shm, a socket guard that "
-            "code can undo blocks the network, runs can signal each other, and processes "
-            "that leave the process group outlive the run"
+            "no namespaces nor a root of its own: code reads every file its user may read "
+            "(run directories among them), shares /tmp, /var/tmp and /dev/shm, a socket "
+            "guard that code can undo blocks the network, runs can signal each other, and "
+            "processes that leave the process group outlive the run"
         )
     if not isolation.seccomp:
-        weaker.append("no seccomp filter: code can make namespaces of its own")
+        weaker.append(
+            "no seccomp filter: code can make namespaces of its own, and hold memory in "
+            "memfds and SysV shared memory beyond its limit"
+        )
     if weaker:
         logger.warning("sandbox isolation is weaker here: %s", "; ".join(weaker))
     # root's interpreter may lie where `nobody` cannot read it (/root is private).

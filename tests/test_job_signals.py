@@ -1,0 +1,76 @@
+"""`python jobs/ppo.py` stopped from outside: a SIGTERM while its actors start is one line
+and exit 130, and a driver killed outright takes its local Ray with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.jobs_helper import REPO, SHORT_RUN
+
+pytestmark = pytest.mark.slow
+
+
+def start_job(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "ppo.py"), *SHORT_RUN, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_line(job: subprocess.Popen, prefix: str) -> None:
+    for line in job.stdout:
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"the job ended before printing {prefix!r}")
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_sigterm_while_actors_start_is_one_line_and_exit_130(job_env, tmp_path):
+    job = start_job(["--learner.steps", "50", "--run-dir", str(tmp_path / "run")], job_env)
+    try:
+        wait_for_line(job, "run directory:")  # Ray joined; the actors are starting
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "ppo.py: interrupted before training began"
+
+
+def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
+    """SIGKILL of a driver that started its own Ray: 10 s later no process of that Ray
+    is left (its dashboard and runtime-env agents outlived it by a minute before)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    run_dir = tmp_path / "run"
+    job = start_job(["--learner.steps", "50", "--run-dir", str(run_dir)], env)
+    try:
+        wait_for_line(job, "eval  step    0")  # every actor is up
+        ray_processes = psutil.Process(job.pid).children(recursive=True)
+        names = {p.name() for p in ray_processes}
+        assert {"raylet", "gcs_server"} <= names, names
+        job.kill()
+        job.wait(timeout=30)
+        time.sleep(10)
+        left = [p for p in ray_processes if alive(p)]
+        assert left == [], [p.cmdline()[:1] for p in left]
+    finally:
+        job.kill()
