@@ -299,3 +299,21 @@ def test_evaluation_is_scored_by_the_eval_rewards_and_comes_back_as_small_record
     # without eval rewards, the training rewards score the evaluation
     plain = RewardWorker("reward-1", train).evaluate(EvalEpisodes(episodes("ab"), []))
     assert plain[0].components == {train[0].name: -18.0}
+
+
+@pytest.mark.parametrize(
+    ("old_spec", "name"),
+    [
+        ("rlray.rewards.model_rewards:EmbeddingSimilarity", "EmbeddingSimilarity"),
+        ("rlray.rewards.model_rewards:ClassifierReward", "ClassifierReward"),
+        ("rlray.environments:tool_success", "tool_success"),
+        ("rlray.environments:ToolEnvironment", "ToolEnvironment"),
+        ("rlray.calculator:CalculatorEnvironment", "CalculatorEnvironment"),
+        ("rlray.tools:python_tool", "python_tool"),
+        ("rlray.multiturn:Trajectory", "Trajectory"),
+    ],
+)
+def test_specs_written_against_the_flat_layout_still_find_their_targets(old_spec, name):
+    from rlray.rewards.loading import import_attribute
+
+    assert import_attribute(old_spec).__name__ == name
