@@ -155,7 +155,9 @@ def report(plan: RunPlan, summary: RunSummary, log: RunLog) -> None:
         print(f"best: {best['metric']} {best['value']:.3f} at step {best['step']} ({where})")
     print(f"time: {describe_totals(summary.phase_seconds)}")
     if summary.memory_peak_gib is not None:
-        print(f"memory: peak {summary.memory_peak_gib:.2f} GiB (PSS of the run's processes)")
+        largest = list(summary.memory_peak_by_process_gib.items())[:6]
+        shares = ", ".join(f"{name} {size:.2f}" for name, size in largest)
+        print(f"memory: peak {summary.memory_peak_gib:.2f} GiB (PSS: {shares}, ...)")
     print(f"report: {picture}")
     print(f"run directory: {plan.run_dir}")
 

@@ -230,6 +230,10 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
     assert totals["training"] == pytest.approx(sum(r["phase_seconds"]["training"] for r in records))
     assert totals["total"] <= summary["wall_seconds"] + 1.0
     assert summary["memory_peak_gib"] >= max(r["memory_gib"] for r in records)
+    # The peak, split by process: the driver and the actors by name, Ray's by its own.
+    shares = summary["memory_peak_by_process_gib"]
+    assert {"driver", "rollout-0", "learner", "reward-0", "buffer", "store"} <= set(shares)
+    assert sum(shares.values()) == pytest.approx(summary["memory_peak_gib"])
     assert re.search(r"^time: \w+ \d+ s \(\d+%\)", done["a"].stdout, re.M), done["a"].stdout
     assert re.search(r"^memory: peak \d+\.\d\d GiB", done["a"].stdout, re.M)
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,17 @@ def test_the_monitor_keeps_the_last_and_the_peak(forked_pair):
     # This test's process and the forked pair.
     assert monitor.peak_bytes >= monitor.last_bytes > 256 * MIB
     assert monitor.peak_bytes < 64 * GIB
+
+
+def test_the_peak_is_split_by_process(forked_pair):
+    names = {forked_pair.pid: "parent"}
+    monitor = MemoryMonitor(lambda: [forked_pair.pid], names=lambda: names)
+    monitor.sample()
+    shares = monitor.peak_by_process
+    # The named parent, its forked child by its own name, and this process as the driver.
+    assert set(shares) == {"parent", Path(sys.executable).name, "driver"}, shares
+    assert shares["parent"] >= 128 * MIB and sum(shares.values()) == monitor.peak_bytes
+    assert list(shares.values()) == sorted(shares.values(), reverse=True)
 
 
 def test_the_kv_cache_is_sized_to_a_rollout_batch():

@@ -13,7 +13,7 @@ from rlray.cluster.start import Actors, actor_processes, local_pids
 from rlray.config import config_to_dict
 from rlray.driver.evaluation import BestCheckpoint, Evaluation
 from rlray.driver.plan import RunPlan
-from rlray.observe.memory import MemoryMonitor, gib
+from rlray.observe.memory import GIB, MemoryMonitor, gib
 from rlray.observe.metrics_log import MetricsLog
 from rlray.observe.progress import Progress
 from rlray.observe.timing import PhaseClock
@@ -42,6 +42,8 @@ class RunSummary:
     """Where the wall time went (rlray.observe.timing)."""
     memory_peak_gib: float | None
     """Peak PSS of the run's processes on the driver's node."""
+    memory_peak_by_process_gib: dict[str, float]
+    """At that peak, each process's PSS by name (actors by theirs; Ray's by its own)."""
     run_dir: str
     episodes_stored: int | None = None
     """Every scored episode the store wrote (None if it could not be closed)."""
@@ -72,7 +74,8 @@ class RunLog:
         processes = actor_processes(actors, config.ray.call_timeout_s)
         (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))
         pids = local_pids(processes)
-        self.memory = MemoryMonitor(lambda: pids).start()
+        names = {where["pid"]: name for name, where in processes.items() if where["pid"] in pids}
+        self.memory = MemoryMonitor(lambda: pids, names=lambda: names).start()
         tracking = config.tracking
         self.trackers = Trackers(
             plan.run_dir,
@@ -140,6 +143,9 @@ class RunLog:
             episodes_per_second=self.episodes / wall,
             phase_seconds=self.clock.totals,
             memory_peak_gib=gib(self.memory.peak_bytes),
+            memory_peak_by_process_gib={
+                name: size / GIB for name, size in self.memory.peak_by_process.items()
+            },
             run_dir=str(self.plan.run_dir),
         )
 

@@ -47,21 +47,57 @@ def with_descendants(pids: Iterable[int]) -> set[int]:
 
 def total_pss_bytes(pids: Iterable[int]) -> int | None:
     """Returns the summed PSS of the processes and their descendants (None off Linux)."""
-    sizes = [pss_bytes(pid) for pid in with_descendants(pids)]
-    known = [size for size in sizes if size is not None]
-    return sum(known) if known else None
+    sizes = pss_by_process(pids)
+    return sum(sizes.values()) if sizes else None
+
+
+def pss_by_process(pids: Iterable[int]) -> dict[int, int]:
+    """Returns the PSS of each of the processes and their descendants that has one."""
+    sizes = {pid: pss_bytes(pid) for pid in with_descendants(pids)}
+    return {pid: size for pid, size in sizes.items() if size is not None}
+
+
+def process_label(pid: int, names: dict[int, str]) -> str:
+    """Returns what to call a process: its name in `names` (an actor's), else its own
+    (Ray's: raylet, gcs_server, ray::DashboardAgent, ...)."""
+    if pid in names:
+        return names[pid]
+    try:
+        process = psutil.Process(pid)
+        command = process.cmdline()
+        return Path(command[0].split()[0]).name if command else process.name()
+    except (psutil.Error, IndexError):
+        return "gone"
+
+
+def by_label(sizes: dict[int, int], names: dict[int, str]) -> dict[str, int]:
+    """Returns the sizes summed by process label, largest first."""
+    totals: dict[str, int] = {}
+    for pid, size in sizes.items():
+        label = process_label(pid, names)
+        totals[label] = totals.get(label, 0) + size
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 class MemoryMonitor:
     """Samples the run's total PSS every `interval_s` on a thread; keeps the last and the
-    peak. `roots` returns the processes to follow (called at every sample, so actors
-    that start later are followed)."""
+    peak, and at the peak each process's share. `roots` returns the processes to follow
+    (called at every sample, so actors that start later are followed); `names` names
+    some of them (the driver, the actors), the rest go by their own names."""
 
-    def __init__(self, roots: Callable[[], Iterable[int]], interval_s: float = 1.0):
+    def __init__(
+        self,
+        roots: Callable[[], Iterable[int]],
+        interval_s: float = 1.0,
+        names: Callable[[], dict[int, str]] = dict,
+    ):
         self.roots = roots
+        self.names = names
         self.interval_s = interval_s
         self.last_bytes: int | None = None
         self.peak_bytes: int | None = None
+        self.peak_by_process: dict[str, int] = {}
+        """Each process's PSS (summed by label) in the sample of the peak."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-monitor", daemon=True)
 
@@ -71,10 +107,14 @@ class MemoryMonitor:
 
     def sample(self) -> int | None:
         """Measures now; returns the total PSS in bytes."""
-        total = total_pss_bytes({os.getpid(), *self.roots()})
-        if total is not None:
-            self.last_bytes = total
-            self.peak_bytes = max(total, self.peak_bytes or 0)
+        sizes = pss_by_process({os.getpid(), *self.roots()})
+        if not sizes:
+            return None
+        total = sum(sizes.values())
+        self.last_bytes = total
+        if total > (self.peak_bytes or 0):
+            self.peak_bytes = total
+            self.peak_by_process = by_label(sizes, {os.getpid(): "driver", **self.names()})
         return total
 
     def stop(self) -> None:
