@@ -78,8 +78,9 @@ def test_the_peak_is_split_by_process(forked_pair):
     monitor = MemoryMonitor(lambda: [forked_pair.pid], names=lambda: names)
     monitor.sample()
     shares = monitor.peak_by_process
-    # The named parent, its forked child by its own name, and this process as the driver.
-    assert set(shares) == {"parent", Path(sys.executable).name, "driver"}, shares
+    # The named parent, its forked child by its own name, and this process as the driver
+    # (with whatever else it started: in the suite, the session's Ray).
+    assert {"parent", Path(sys.executable).name, "driver"} <= set(shares), shares
     assert shares["parent"] >= 128 * MIB and sum(shares.values()) == monitor.peak_bytes
     assert list(shares.values()) == sorted(shares.values(), reverse=True)
 
