@@ -5,6 +5,7 @@
     python benchmarks/vs_trl.py learning --trl-lrs 2e-5 --rlray-lrs 5e-5  # no tuning
     python benchmarks/vs_trl.py throughput                    # random-weight models, no accuracy
     python benchmarks/vs_trl.py throughput --sizes 0.5M 10M --lengths 64
+    python benchmarks/vs_trl.py throughput --colocated        # also ray.placement colocated
 
 TRL runs in a virtualenv of its own (TRL_VERSION and this torch's version, created on first
 use under rlray's cache folder); it is never a dependency of rlray. Both sides read the
@@ -327,6 +328,10 @@ def throughput(args: argparse.Namespace) -> None:
                 )
                 for n in args.rollout_workers
             }
+            if args.colocated:  # the learner and its engine in one process, taking turns
+                results["rlray, colocated"] = throughput_rlray(
+                    model, length, episodes, 1, args, placement="colocated"
+                )
             results["TRL"] = throughput_trl(model, length, episodes, args)
             for system, o in results.items():
                 lines.append(
@@ -369,10 +374,17 @@ def throughput_shape(length: int, episodes: int, args: argparse.Namespace) -> li
 
 
 def throughput_rlray(
-    model: str, length: int, episodes: int, workers: int, args: argparse.Namespace
+    model: str,
+    length: int,
+    episodes: int,
+    workers: int,
+    args: argparse.Namespace,
+    placement: str = "disaggregated",
 ) -> Outcome:
     job = ["--model.path", model, "--rollout.num_workers", str(workers), *args.rlray_args]
+    job += ["--ray.placement", placement]
     name = f"rlray-{Path(model).name}-len{length}-workers{workers}"
+    name += "-colocated" if placement == "colocated" else ""
     shape = throughput_shape(length, episodes, args)
     return run_rlray([*job, *shape], args.out / name, learning=False)
 
@@ -416,6 +428,11 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--rollout-workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="also run rlray colocated (ray.placement colocated: one process, taking turns)",
+    )
     parser.add_argument("--throughput-steps", type=int, default=3)
     args = parser.parse_args()
     learning(args) if args.mode == "learning" else throughput(args)

@@ -42,13 +42,15 @@ TRAINING_VALUES = (
 
 @pytest.fixture(scope="module")
 def five_step_runs(job_env, tmp_path_factory):
-    """A 5-step run, and a 3-step run of the same config and seed with a group of 2
-    learners sending weights through vLLM's weight transfer (gloo), run at the same time
-    (their timings differ, their steps must not), that is then resumed to step 5 with 1
-    learner and the object store."""
+    """A 5-step run; the same run colocated (the learner and its engine in one process);
+    and a 3-step run of the same config and seed with a group of 2 learners sending
+    weights through vLLM's weight transfer (gloo), run at the same time (their timings
+    differ, their steps must not), that is then resumed to step 5 with 1 learner and the
+    object store."""
     root = tmp_path_factory.mktemp("runs")
     runs = {"a": ["--learner.steps", "5"], "resumed": ["--learner.steps", "3"]}
     runs["resumed"] += ["--learner.num_workers", "2", "--rollout.weight_sync", "gloo"]
+    runs["colocated"] = ["--learner.steps", "5", "--ray.placement", "colocated"]
     results = run_jobs_at_once(
         [[*SHORT_RUN, *args, "--run-dir", str(root / name)] for name, args in runs.items()],
         job_env,
@@ -261,6 +263,33 @@ def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(five_step_run
             {k: two[k] for k in TRAINING_VALUES}, rel=1e-4, abs=1e-6
         )
         assert two["logprob_parity_error"] <= 1e-4  # vLLM holds the group's weights
+
+
+@pytest.mark.slow
+def test_a_colocated_run_takes_the_disaggregated_runs_steps(five_step_runs):
+    """The learner and its engine in one process, taking turns: the same steps as the
+    run with each role in its own process, weights handed over in memory, parity after
+    every sync, one process fewer."""
+    root, done = five_step_runs
+    assert done["colocated"].returncode == 0, done["colocated"].stderr[-3000:]
+    colocated, apart = metrics(root / "colocated"), metrics(root / "a")
+    assert [r["step"] for r in colocated] == [1, 2, 3, 4, 5]
+    for one, two in zip(colocated, apart, strict=True):
+        assert one["reward_mean"] == two["reward_mean"]
+        assert {k: one[k] for k in TRAINING_VALUES} == pytest.approx(
+            {k: two[k] for k in TRAINING_VALUES}, rel=1e-4, abs=1e-6
+        )
+        assert one["weight_sync"] == "in_memory"
+        assert one["weight_versions_loaded"] == {"rollout-0": one["step"]}
+        assert one["logprob_parity_error"] <= 1e-4
+    placement = json.loads((root / "colocated" / "placement.json").read_text())
+    assert placement["rollout-0"]["pid"] == placement["learner"]["pid"]
+    summary = json.loads((root / "colocated" / "summary.json").read_text())
+    assert "rollout-0+learner" in summary["memory_peak_by_process_gib"]
+    assert (
+        summary["final_eval_accuracy"]
+        == json.loads((root / "a" / "summary.json").read_text())["final_eval_accuracy"]
+    )
 
 
 @pytest.mark.slow

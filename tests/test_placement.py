@@ -97,3 +97,90 @@ def test_a_tensor_parallel_workers_ranks_take_the_gpus_of_its_own_group(tmp_path
         assert len(gpus) == 2  # a GPU per rank
         used |= gpus
     assert len(used) == 4  # the two workers' ranks share no GPU
+
+
+def one_gpu_colocated_config() -> Config:
+    """The one-GPU configuration docs/cluster.md shows: the learner and its engine on the
+    same GPU, taking turns."""
+    config = Config()
+    config.ray.placement = "colocated"
+    config.learner.gpus = config.rollout.gpus_per_worker = 1
+    return config
+
+
+def test_a_colocated_learner_and_engine_take_one_bundle_of_both_roles_cpus_and_the_gpu():
+    from rlray.cluster.placement import colocated_resources
+    from rlray.config import validate
+
+    config = one_gpu_colocated_config()
+    validate(config)
+    assert colocated_resources(config).groups() == [([{"CPU": 2.0, "GPU": 1.0}], "PACK")]
+    config.ray.placement = "disaggregated"  # the same roles apart need two GPUs
+    roles = role_resources(config)
+    assert [roles[role].groups()[0][0] for role in ("rollout", "learner")] == [
+        [{"CPU": 1.0, "GPU": 1.0}],
+        [{"CPU": 1.0, "GPU": 1.0}],
+    ]
+
+
+ONE_GPU_PROBE = textwrap.dedent(
+    """
+    import json, ray
+    from rlray.cluster.placement import Placement, colocated_resources, role_resources
+    from tests.test_placement import one_gpu_colocated_config
+
+    ray.init("local", num_cpus=3, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    config = one_gpu_colocated_config()
+    placement = Placement("one-gpu")
+    fits = [placement.reserve(role_resources(config)["reward"], timeout_s=60)]
+    fits.append(placement.reserve(colocated_resources(config), timeout_s=60))
+
+    @ray.remote
+    class Colocated:  # stands for the colocated actor: a learner and its engine
+        def gpus(self):
+            return ray.get_gpu_ids()
+
+    actor = Colocated.options(**placement.actor_options("learner", 0)).remote()
+    gpus = ray.get(actor.gpus.remote(), timeout=60)
+    placement.release()
+    config.ray.placement = "disaggregated"
+    apart = Placement("two-roles")
+    problems = [apart.reserve(role_resources(config)[role], 5) for role in ("rollout", "learner")]
+    print(json.dumps({"fits": fits, "gpus": gpus, "apart": problems}))
+    """
+)
+
+
+def test_a_one_gpu_machine_places_the_colocated_run_and_not_the_disaggregated_one(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(ONE_GPU_PROBE)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**without_ray_address(os.environ), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    assert probe["fits"] == [None, None] and len(probe["gpus"]) == 1
+    assert probe["apart"][0] is None  # the rollout worker takes the one GPU...
+    assert probe["apart"][1].startswith("learner: no room within 5 s")  # ...and none is left
+
+
+def test_the_one_gpu_line_of_the_docs_is_the_config_placed_above():
+    from rlray.config import parse_command_line, validate
+
+    page = (REPO / "docs" / "cluster.md").read_text()
+    lines = [line for line in page.splitlines() if line.startswith("python jobs/ppo.py")]
+    one_gpu = [line for line in lines if "--ray.placement colocated" in line]
+    assert len(one_gpu) == 1, lines
+    config = parse_command_line(one_gpu[0].split()[2:]).config
+    validate(config)
+    wanted = one_gpu_colocated_config()
+    assert (config.ray, config.learner, config.rollout) == (
+        wanted.ray,
+        wanted.learner,
+        wanted.rollout,
+    )

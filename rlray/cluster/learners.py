@@ -63,7 +63,7 @@ class LearnerActor(_GroupMember):
         send_engine_output_to(engine_log)  # torch's output, rlray.observe.console
         self.rank, self.world_size = rank, world_size
         self.learner_args, self.learner_kwargs = args, kwargs
-        self.telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
+        self.learner_telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
 
     def setup(self, address: str, port: int, timeout_s: float) -> None:
         """Joins the learner group, then builds the Learner."""
@@ -76,11 +76,13 @@ class LearnerActor(_GroupMember):
     def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
         """Fetches the referenced episode batches and runs one learner step on them."""
         metrics = self.learner.train_step(resolve_episodes(batch_refs, timeout_s))
-        self.telemetry.set("rlray_reward_mean", metrics.reward_mean)
-        self.telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)
-        self.telemetry.set("rlray_logprob_parity_error", metrics.logprob_parity_error)
-        self.telemetry.set("rlray_rollout_logprob_diff_mean", metrics.rollout_logprob_diff_mean)
-        self.telemetry.set("rlray_policy_version", metrics.policy_version)
+        self.learner_telemetry.set("rlray_reward_mean", metrics.reward_mean)
+        self.learner_telemetry.set("rlray_learner_step_seconds", metrics.learner_seconds)
+        self.learner_telemetry.set("rlray_logprob_parity_error", metrics.logprob_parity_error)
+        self.learner_telemetry.set(
+            "rlray_rollout_logprob_diff_mean", metrics.rollout_logprob_diff_mean
+        )
+        self.learner_telemetry.set("rlray_policy_version", metrics.policy_version)
         return metrics
 
     def publish_weights(self) -> tuple[int, PackedWeights]:

@@ -80,6 +80,18 @@ def role_resources(config: Config) -> dict[str, RoleResources]:
     }
 
 
+def colocated_resources(config: Config) -> RoleResources:
+    """Returns the resources of the colocated role (ray.placement colocated): a bundle per
+    learner holding its CPUs and its rollout engine's, the learner's GPUs (which the
+    engine shares) and both roles' custom resources."""
+    rollout, learner = config.rollout, config.learner
+    custom = {**rollout.resources}
+    for name, amount in learner.resources.items():
+        custom[name] = custom.get(name, 0.0) + amount
+    cpus = learner.cpus + rollout.cpus_per_worker
+    return RoleResources("learner", learner.num_workers, cpus, learner.gpus, custom, "PACK")
+
+
 class Placement:
     """The placement groups of one run, by role."""
 

@@ -21,8 +21,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.cluster import local_ray_watchdog
 from rlray.cluster.calls import ActorFailure, wait_for
+from rlray.cluster.colocated import ColocatedActor
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
-from rlray.cluster.placement import Placement, role_resources
+from rlray.cluster.placement import Placement, colocated_resources, role_resources
 from rlray.cluster.roles import BufferActor, IngestActor, RewardActor, RolloutActor, StoreActor
 from rlray.cluster.serving import endpoint_options
 from rlray.config import Config, ingest_token, weight_sync
@@ -183,18 +184,25 @@ def start_actors(
     buffer and learner when not `train`) and waits, with a timeout, until each is up."""
     timeout = config.ray.actor_start_timeout_s
     placement = Placement(run_id)
+    colocated = train and config.ray.placement == "colocated"
     roles = role_resources(config)
-    for role in ("rollout", "reward", "learner") if train else ("rollout", "reward"):
+    if colocated:  # one role holds the learners and their engines
+        roles = {"reward": roles["reward"], "learner": colocated_resources(config)}
+    for role in roles if train else ("rollout", "reward"):
         problem = placement.reserve(roles[role], timeout)
         if problem:
             placement.release()
             raise ActorFailure(problem)
     rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
     reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
-    actors = Actors(
-        rollout=_start_rollout_workers(
+    if colocated:
+        rollout = _start_colocated(config, rollout_names, model_path, run_id, checkpoint, placement)
+    else:
+        rollout = _start_rollout_workers(
             config, rollout_names, model_path, run_id, checkpoint, placement, awaits_weights=train
-        ),
+        )
+    actors = Actors(
+        rollout=rollout,
         rollout_names=rollout_names,
         reward=[
             _start_reward_worker(config, name, run_id, placement.actor_options("reward", i))
@@ -221,7 +229,11 @@ def start_actors(
             .options(name="buffer", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
             .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
         )
-        actors.learner = _start_learners(config, model_path, run_id, checkpoint, placement)
+        actors.learner = (
+            LearnerGroup(rollout)
+            if colocated
+            else _start_learners(config, model_path, run_id, checkpoint, placement)
+        )
     try:
         for name, handle in actors.all():
             wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout)
@@ -271,6 +283,39 @@ def _start_rollout_workers(
     ]
 
 
+def _start_colocated(
+    config: Config,
+    names: list[str],
+    model_path: str,
+    run_id: str,
+    checkpoint: str | None,
+    placement: Placement,
+) -> list[Any]:
+    """Starts each learner with its rollout engine in one actor (rlray.cluster.colocated),
+    named as the learner; the driver holds it as both."""
+    device = "cuda" if config.learner.gpus > 0 else "cpu"
+    model = _model_for_actors(config, model_path)
+    version = checkpoint_version(checkpoint) if checkpoint else 0
+    count = config.learner.num_workers
+    handles = []
+    for rank, (rollout_name, name) in enumerate(zip(names, learner_names(count), strict=True)):
+        rollout_args = (rollout_name, model, config.model, config.rollout, run_id)
+        rollout_args += (config.seed + rank, version)
+        learner_args = (run_id, rank, count, model, config.model, config.algorithm)
+        learner_args += (config.learner,)
+        learner_kwargs = _learner_kwargs(config, device, checkpoint)
+        handles.append(
+            ray.remote(ColocatedActor)
+            .options(
+                name=name,
+                runtime_env={"env_vars": vllm_env(config.rollout)},
+                **placement.actor_options("learner", rank),
+            )
+            .remote(rollout_args, learner_args, learner_kwargs, engine_log(config, name))
+        )
+    return handles
+
+
 def engine_log(config: Config, actor: str) -> str | None:
     """Returns the file an engine actor's own output goes to: run_dir/logs/<actor>.log."""
     return str(Path(config.run_dir) / "logs" / f"{actor}.log") if config.run_dir else None
@@ -310,12 +355,7 @@ def _start_learners(
                 config.model,
                 config.algorithm,
                 config.learner,
-                max_new_tokens=config.completion_budget,
-                samples_per_prompt=config.rollout.samples_per_prompt,
-                temperature=config.rollout.temperature,
-                seed=config.seed,
-                device=device,
-                checkpoint=checkpoint,
+                **_learner_kwargs(config, device, checkpoint),
                 engine_log=engine_log(config, name),
             )
         )
@@ -359,6 +399,18 @@ def start_preference_learners(
         actors.kill()
         raise
     return actors
+
+
+def _learner_kwargs(config: Config, device: str, checkpoint: str | None) -> dict[str, Any]:
+    """Returns the Learner's keyword arguments (rlray.learner.rl.Learner)."""
+    return {
+        "max_new_tokens": config.completion_budget,
+        "samples_per_prompt": config.rollout.samples_per_prompt,
+        "temperature": config.rollout.temperature,
+        "seed": config.seed,
+        "device": device,
+        "checkpoint": checkpoint,
+    }
 
 
 def _set_up_learners(group: LearnerGroup, timeout_s: float) -> None:

@@ -113,6 +113,37 @@ def _devices(config: Config) -> None:
             raise ConfigError(f"{name}: the actor must reserve some resource (CPU, GPU or custom)")
 
 
+def _colocation(config: Config) -> None:
+    r, learner = config.rollout, config.learner
+    if config.ray.placement != "colocated":
+        return
+    if r.num_workers != learner.num_workers:
+        raise ConfigError(
+            f"rollout.num_workers ({r.num_workers}) must equal learner.num_workers "
+            f"({learner.num_workers}) with ray.placement colocated: each learner shares "
+            "its process and devices with one rollout engine"
+        )
+    if learner.num_workers > 1:
+        raise ConfigError(
+            "learner.num_workers > 1 with ray.placement colocated: a colocated learner "
+            "group is not built yet (vLLM's engine holds the process's default "
+            "torch.distributed group); use ray.placement disaggregated"
+        )
+    if r.weight_sync != "auto":
+        raise ConfigError(
+            f"rollout.weight_sync {r.weight_sync} with ray.placement colocated: a colocated "
+            "engine takes its learner's weights in memory (leave it auto)"
+        )
+    if r.tensor_parallel_size > 1:
+        raise ConfigError("rollout.tensor_parallel_size > 1 with ray.placement colocated")
+    if r.gpus_per_worker != learner.gpus:
+        raise ConfigError(
+            f"rollout.gpus_per_worker ({r.gpus_per_worker}) must equal learner.gpus "
+            f"({learner.gpus}) with ray.placement colocated: the engine and the learner "
+            "share those devices"
+        )
+
+
 def _seed(config: Config) -> None:
     # Worker i samples with seed + i, and numpy seeds are 32-bit.
     limit = 2**31 - 1 - config.rollout.num_workers
@@ -257,6 +288,7 @@ def _evaluation(config: Config) -> None:
 RULES: tuple[Callable[[Config], None], ...] = (
     _lora,
     _devices,
+    _colocation,
     _seed,
     _preference,
     _algorithm,

@@ -41,6 +41,7 @@ LossAggregation = Literal[
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
 WeightSync = Literal["auto", "object_store", "nccl", "gloo"]
+RolePlacement = Literal["disaggregated", "colocated"]
 KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
 RolloutCorrection = Literal["token", "sequence", "geometric", "off"]
@@ -538,6 +539,15 @@ class RayConfig:
     max_job_restarts: int = non_negative(2)
     """Times the run resumes by itself from its last checkpoint after the learner (or
     its node) dies, before it fails naming the learner."""
+    placement: RolePlacement = "disaggregated"
+    """Where the learner and the rollout engines run. disaggregated: on devices of their
+    own (a placement group per role), generation overlapping training as far as
+    buffer.max_staleness lets it. colocated: each learner and one rollout engine in one
+    process on the same devices (learner.cpus + rollout.cpus_per_worker CPUs,
+    learner.gpus GPUs), taking turns with all of them: generation, then training;
+    weights go to the engine in memory, and on GPU the engine sleeps (KV cache freed,
+    weights offloaded) while the learner trains. What one GPU or one laptop needs:
+    rollout.num_workers must equal learner.num_workers."""
 
 
 @dataclass
@@ -591,7 +601,10 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 def weight_sync(config: Config) -> str:
     """Returns how weights reach the rollout workers: "object_store", "nccl" or "gloo"
-    (rollout.weight_sync with "auto" resolved)."""
+    (rollout.weight_sync with "auto" resolved), or "in_memory" where each engine shares
+    its learner's process (ray.placement colocated)."""
+    if config.ray.placement == "colocated":
+        return "in_memory"
     chosen = config.rollout.weight_sync
     if chosen != "auto":
         return chosen

@@ -74,7 +74,10 @@ class RunLog:
         processes = actor_processes(actors, config.ray.call_timeout_s)
         (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))
         pids = local_pids(processes)
-        names = {where["pid"]: name for name, where in processes.items() if where["pid"] in pids}
+        names: dict[int, str] = {}
+        for name, where in processes.items():  # a colocated actor is two roles' process
+            if where["pid"] in pids:
+                names[where["pid"]] = "+".join(filter(None, [names.get(where["pid"]), name]))
         self.memory = MemoryMonitor(lambda: pids, names=lambda: names).start()
         tracking = config.tracking
         self.trackers = Trackers(

@@ -1,10 +1,12 @@
 """Weight syncs: the learner's weights onto every rollout worker, and the parity check.
 
-Two paths (rollout.weight_sync): the object store, where the learner publishes its
-weights once as one immutable object that every worker loads, all at once (no worker
-can load half a version); or vLLM's weight transfer (NCCL on GPUs, gloo on CPU), where
-the learners send each tensor straight into the workers' engines. A restarted worker
-loads the published weights, published anew if the last sync went by transfer.
+Three paths. With the roles disaggregated (rollout.weight_sync): the object store, where
+the learner publishes its weights once as one immutable object that every worker loads,
+all at once (no worker can load half a version); or vLLM's weight transfer (NCCL on
+GPUs, gloo on CPU), where the learners send each tensor straight into the workers'
+engines. A restarted worker loads the published weights, published anew if the last
+sync went by transfer. Colocated (ray.placement colocated): each engine takes its own
+learner's weights in memory, in its process.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class WeightSync:
             started = time.perf_counter()
             if self.transfer == "object_store":
                 path, loaded = "object_store", self._publish_and_load()
+            elif self.transfer == "in_memory":
+                path, loaded = "in_memory", self._load_in_memory()
             else:
                 path, loaded = self._send()
             if self.config.buffer.max_staleness > 0:
@@ -94,6 +98,18 @@ class WeightSync:
                 self.recovery.recover(name, err)  # loads the published weights when up
                 loaded[name] = (self.worker_versions[worker], None)
                 continue
+            self.worker_versions[worker] = version
+            loaded[name] = (version, seconds)
+        return loaded
+
+    def _load_in_memory(self) -> Loaded:
+        """The colocated sync: every engine loads its own learner's weights, all at once.
+        A colocated actor is not restarted: its death ends the attempt as a learner's."""
+        names = self.actors.rollout_names
+        loads = [actor.load_learner_weights.remote() for actor in self.actors.rollout]
+        loaded: Loaded = {}
+        for worker, (name, load) in enumerate(zip(names, loads, strict=True)):
+            version, seconds = self.recovery.call(name, load, "weight load")
             self.worker_versions[worker] = version
             loaded[name] = (version, seconds)
         return loaded

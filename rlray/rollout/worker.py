@@ -112,7 +112,10 @@ class RolloutWorker:
         run_id: str,
         seed: int,
         policy_version: int = 0,
+        sleep_mode: bool = False,
     ):
+        """`sleep_mode`: the engine can sleep (vLLM frees its KV cache and offloads its
+        weights) while a learner on the same GPU trains; GPU only."""
         for key, value in vllm_env(rollout).items():
             os.environ.setdefault(key, value)
         # after vllm_env: vLLM reads it once, at import
@@ -127,9 +130,10 @@ class RolloutWorker:
         self.seed = seed
         self.rollout = rollout
         self.policy_version = policy_version
-        engine_args = {}
+        engine_args: dict[str, Any] = {}
         if rollout.gpus_per_worker > 0:
             engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+            engine_args["enable_sleep_mode"] = sleep_mode
         if rollout.tensor_parallel_size > 1:
             # Ranks as Ray actors in this worker's placement group (rlray/cluster/placement.py).
             engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size

@@ -1,0 +1,123 @@
+"""The colocated placement (ray.placement colocated): a rollout engine and a learner in
+one process, on the same devices, taking turns with all of them.
+
+Why one process rather than two actors sharing a placement bundle: the weights go from
+the learner's tensors into the engine's with no serialisation and no object store, torch
+is imported once, and the turns need no coordination: Ray runs one call of an actor at a
+time, so generation (the engine's turn) and a learner step (the learner's) never overlap.
+On CPU both use torch's one pool of intra-op threads, so each has every core of the
+actor (learner.cpus + rollout.cpus_per_worker) in its turn. On GPU the engine sleeps
+while the learner trains (vLLM's sleep mode: KV cache freed, weights offloaded to host
+memory) and wakes for generation; `EngineTurns` keeps that state.
+
+The driver needs no other path: the one handle is both a run's `rollout-<i>` and its
+`learner`, and its calls queue in the order the driver makes them. A colocated actor is
+not restarted by Ray (its learner's weights would be lost); the run resumes from its
+checkpoint, as after a learner's death.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlray.cluster.learners import LearnerActor
+from rlray.cluster.roles import RolloutActor
+from rlray.core.episode import Episode
+from rlray.core.evaluation import EvalEpisodes
+from rlray.core.prompt import PromptRow
+from rlray.core.stats import EvalResult, StepMetrics
+
+
+class EngineTurns:
+    """Whose turn the devices are: the engine's (awake: weights and KV cache on the
+    device) or the learner's (engine asleep). `sleep` and `wake` are the engine's, or
+    None where it cannot sleep (vLLM's CPU backend): then only the turn is kept."""
+
+    def __init__(self, sleep: Any = None, wake: Any = None):
+        self.sleep, self.wake = sleep, wake
+        self.engine_awake = True
+        self.turns: list[str] = []
+        """Every change of turn, in order ("engine" or "learner"): what tests read."""
+
+    def engine(self) -> None:
+        """Gives the devices to the engine (before it generates or loads weights)."""
+        if not self.engine_awake:
+            if self.wake is not None:
+                self.wake()
+            self.engine_awake = True
+            self.turns.append("engine")
+
+    def learner(self) -> None:
+        """Gives the devices to the learner (before a step, a checkpoint or a publish)."""
+        if self.engine_awake:
+            if self.sleep is not None:
+                self.sleep()
+            self.engine_awake = False
+            self.turns.append("learner")
+
+
+class ColocatedActor(RolloutActor, LearnerActor):
+    """A RolloutActor and a LearnerActor in one process (see the module's docstring)."""
+
+    def __init__(
+        self,
+        rollout_args: tuple,
+        learner_args: tuple,
+        learner_kwargs: dict[str, Any],
+        engine_log: str | None = None,
+    ):
+        on_gpu = rollout_args[3].gpus_per_worker > 0  # the RolloutConfig
+        RolloutActor.__init__(
+            self, *rollout_args, awaits_weights=False, engine_log=engine_log, sleep_mode=on_gpu
+        )
+        LearnerActor.__init__(self, *learner_args, **learner_kwargs)
+        # Level 1: the KV cache is freed and the weights go to host memory; the next
+        # weight load overwrites them after the wake-up.
+        self.turns = EngineTurns(
+            (lambda: self.llm.sleep(level=1)) if on_gpu else None,
+            self.llm.wake_up if on_gpu else None,
+        )
+
+    # The engine's turn.
+
+    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
+        self.turns.engine()
+        return RolloutActor.generate(self, rows, first_prompt_index)
+
+    def eval_episodes(
+        self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
+    ) -> tuple[EvalEpisodes, EvalResult]:
+        self.turns.engine()
+        return RolloutActor.eval_episodes(self, rows, samples, temperature, examples)
+
+    def load_learner_weights(self) -> tuple[int, float]:
+        """Loads this process's learner's weights into the engine, in memory; returns
+        the version now held and the seconds it took."""
+        # torch loads in colocated processes only (the driver imports this module)
+        from rlray.weights.packing import weights_for_vllm
+
+        weights = self.learner.published_weights()  # the learner's device, then host memory
+        self.turns.engine()
+        architecture = self.llm.model_config.architecture
+        weights = weights_for_vllm(weights, self.learner.tied_output, architecture)
+        seconds = self.load_weights(self.learner.version, weights)
+        return self.policy_version, seconds
+
+    # The learner's turn.
+
+    def train_on(self, batch_refs: list[list[Any]], timeout_s: float) -> StepMetrics:
+        self.turns.learner()
+        return LearnerActor.train_on(self, batch_refs, timeout_s)
+
+    def check_parity(self, episodes: list[Episode]) -> float | None:
+        self.turns.learner()
+        return LearnerActor.check_parity(self, episodes)
+
+    def open_weight_transfer(self, *args: Any, **kwargs: Any) -> None:
+        # Both faces have one (a worker joins a transfer; a learner opens one): here
+        # neither applies.
+        raise RuntimeError("a colocated engine takes its learner's weights in memory")
+
+    def engine_turns(self) -> list[str]:
+        """Returns every change of turn so far (tests read it)."""
+        return list(self.turns.turns)
