@@ -88,6 +88,12 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     last = err.strip().splitlines()[-1]
     assert last.startswith("ppo.py: error: learner died"), last
     assert "gave up after 1 restarts: ray.max_job_restarts" in last
+    # Each actor killed once is one restart, logged once, however many calls it failed
+    # (Ray's own count; the resumed run's new actors count from 0).
+    for actor in ("rollout-0", "reward-0", "buffer", "store"):
+        assert re.findall(rf"^{actor} restarted \(restart (\d+) of this run\)$", err, re.M) == [
+            "1"
+        ], actor
     records = metrics(run_dir)
     logged = [r["step"] for r in records]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 5  # each once

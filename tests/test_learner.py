@@ -469,3 +469,40 @@ def test_a_non_finite_gradient_is_never_applied(model_path, device):
         engine._optimizer_step()
     assert all(torch.equal(a, b) for a, b in zip(before, parameters(learner), strict=True))
     assert all(p.grad is None for p in engine.policy.parameters())
+
+
+def test_one_update_per_step_takes_the_logprobs_before_it_from_its_own_forward_pass(
+    model_path, device
+):
+    """One epoch of one mini-batch: the logprobs before the update are the update's own
+    forward pass's, so the step saves a pass, and updates as the step that makes one."""
+    fused = make_learner(model_path, device, algorithm__advantage="grpo", learner__epochs=1)
+    apart = make_learner(model_path, device, algorithm__advantage="grpo", learner__epochs=1)
+    apart.fuse_old_logprobs = False
+    assert fused.fuses_old_logprobs(4) and not apart.fuses_old_logprobs(4)
+    # Two updates a step, a critic or a reference need the pass.
+    assert not make_learner(model_path, device).fuses_old_logprobs(4)  # 2 epochs
+    gae = make_learner(model_path, device, algorithm__advantage="gae", learner__epochs=1)
+    assert not gae.fuses_old_logprobs(4)
+    passes = []
+    score = fused.engine.score
+    fused.engine.score = lambda *args, **kwargs: passes.append(1) or score(*args, **kwargs)
+    results = []
+    for learner in (fused, apart):
+        episodes = episodes_for(learner, REWARDS)
+        # A stale episode: its rollout correction is computed from the fused logprobs too.
+        episodes[1].rollout_logprobs = [lp + 0.3 for lp in episodes[1].rollout_logprobs]
+        episodes[1].policy_version = -1
+        results.append(learner.train_step(episodes))
+    assert passes == []  # the fused step made no pass of its own
+    one, two = results
+    keys = ("reward_mean", "policy_loss", "entropy", "clip_fraction", "grad_norm")
+    keys += ("advantage_abs_mean", "rollout_correction_weight_mean", "rollout_logprob_diff_max")
+    assert {k: getattr(one, k) for k in keys} == pytest.approx(
+        {k: getattr(two, k) for k in keys}, rel=1e-5, abs=1e-6
+    )
+    assert one.logprob_parity_error < 1e-5
+    for (name, a), b in zip(
+        fused.engine.policy.named_parameters(), apart.engine.policy.parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)

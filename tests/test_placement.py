@@ -75,9 +75,10 @@ def without_ray_address(env: os._Environ) -> dict[str, str]:
     return {key: value for key, value in env.items() if key != "RAY_ADDRESS"}
 
 
-def test_a_tensor_parallel_workers_ranks_take_the_gpus_of_its_own_group(tmp_path):
+def run_probe(source: str, tmp_path) -> dict:
+    """Runs a probe script in a Ray of its own; returns the JSON of its last line."""
     script = tmp_path / "probe.py"
-    script.write_text(PROBE)
+    script.write_text(source)
     result = subprocess.run(
         [sys.executable, str(script)],
         cwd=REPO,
@@ -87,7 +88,11 @@ def test_a_tensor_parallel_workers_ranks_take_the_gpus_of_its_own_group(tmp_path
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_tensor_parallel_workers_ranks_take_the_gpus_of_its_own_group(tmp_path):
+    probe = run_probe(PROBE, tmp_path)
     used = set()
     found = zip(probe["groups"], probe["found"], strict=True)
     for group, (actor_group, ranks, actor_gpus) in found:
@@ -152,18 +157,7 @@ ONE_GPU_PROBE = textwrap.dedent(
 
 
 def test_a_one_gpu_machine_places_the_colocated_run_and_not_the_disaggregated_one(tmp_path):
-    script = tmp_path / "probe.py"
-    script.write_text(ONE_GPU_PROBE)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=REPO,
-        env={**without_ray_address(os.environ), "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    probe = run_probe(ONE_GPU_PROBE, tmp_path)
     assert probe["fits"] == [None, None] and len(probe["gpus"]) == 1
     assert probe["apart"][0] is None  # the rollout worker takes the one GPU...
     assert probe["apart"][1].startswith("learner: no room within 5 s")  # ...and none is left

@@ -111,6 +111,9 @@ class Learner:
         )
         self.version = 0
         self.prompt_cursor = 0
+        self.fuse_old_logprobs = True
+        """Whether steps with one update take the logprobs before it from its own forward
+        pass (fuses_old_logprobs); tests turn it off to compare."""
         self.probe_parity: float | None = None
         self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
         if checkpoint:
@@ -158,17 +161,13 @@ class Learner:
         if not episodes:
             raise ValueError("every episode of this step was dropped by a failing reward")
         validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
-        step = self._prepare(episodes)
-        old_logp = step.inputs.old_logp
-        parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
-        if parity is None:  # nothing fresh in this batch: report the post-sync probe
-            parity = self.probe_parity
-        self.probe_parity = None
+        fused = self.fuses_old_logprobs(len(episodes))
+        step = self._prepare(episodes, fused)
         try:
             updates = self.engine.train(
                 step.batch,
                 step.loss_mask,
-                self._loss_fn(step),
+                self._loss_fn(step, fused),
                 self.learner.epochs,
                 self.learner.minibatch_size,
                 entropy_grad=self.algorithm.needs_entropy_gradient,
@@ -177,15 +176,39 @@ class Learner:
             if str(err).startswith("step "):
                 raise
             raise rm.NonFiniteError(f"step {self.version + 1}: {err}") from None
+        # The logprobs before the update: the step's first pass's, or (fused) the update's.
+        old_logp = step.inputs.old_logp
+        parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
+        if parity is None:  # nothing fresh in this batch: report the post-sync probe
+            parity = self.probe_parity
+        self.probe_parity = None
         self.version += 1
         return self._metrics(episodes, step, updates, parity, time.perf_counter() - started)
 
-    def _prepare(self, episodes: list[Episode]) -> PreparedStep:
+    def fuses_old_logprobs(self, episodes: int) -> bool:
+        """Whether a step of `episodes` takes the logprobs before its update from the
+        update's own forward pass instead of a pass of its own: where they are the same
+        numbers, with one update per step (one epoch, one mini-batch) and nothing else
+        computed from them before it (no critic, no reference), on one learner. A pass
+        over the batch saved: a quarter of the step's compute (forward, backward,
+        forward). The gradient is the same: the ratio is exactly 1, as it is to float
+        precision with a pass of its own."""
+        one_update = self.learner.epochs == 1 and self.learner.minibatch_size >= episodes
+        algorithm = self.algorithm
+        alone = not (algorithm.needs_critic or algorithm.needs_reference)
+        return self.fuse_old_logprobs and one_update and alone and self.engine.world_size == 1
+
+    def _prepare(self, episodes: list[Episode], fused: bool = False) -> PreparedStep:
         """Returns the step's tensors: the learner's logprobs before the update (and the
         critic's values, the reference's logprobs), vLLM's, the rollout correction and
-        the algorithm's advantages."""
+        the algorithm's advantages. `fused`: the logprobs before the update, and the
+        rollout correction computed from them, are filled in by the update's own forward
+        pass (`_loss_fn`); until then they are zeros and ones."""
         batch = self._batch(episodes)
-        before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
+        if fused:
+            before = Outputs(logp=torch.zeros_like(batch.mask), entropy=None, values=None)
+        else:
+            before = self.engine.score(batch, with_values=self.algorithm.needs_critic)
         rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
         # Rows without vLLM logprobs take the learner's own: weight 1 (ratio 1).
         behaviour = torch.where(known[:, None], rollout_logp, before.logp)
@@ -218,11 +241,15 @@ class Learner:
             loss_mask=self.algorithm.loss_mask(batch.mask, is_truncated),
         )
 
-    def _loss_fn(self, step: PreparedStep) -> LossFn:
-        """Returns the engine's loss function: the algorithm's loss on a micro-batch's rows."""
+    def _loss_fn(self, step: PreparedStep, fused: bool = False) -> LossFn:
+        """Returns the engine's loss function: the algorithm's loss on a micro-batch's rows
+        (`fused`: first their logprobs before the update, and their rollout correction,
+        from the micro-batch's forward pass)."""
         inputs, advantages = step.inputs, step.advantages
 
         def loss_fn(outputs: Outputs, rows: torch.Tensor, totals: MiniBatchTotals):
+            if fused:
+                self._fill_old_logprobs(step, outputs.logp.detach(), rows)
             micro = MicroBatch(
                 logp=outputs.logp,
                 mask=step.loss_mask[rows],
@@ -242,6 +269,17 @@ class Learner:
             return loss, metrics
 
         return loss_fn
+
+    def _fill_old_logprobs(
+        self, step: PreparedStep, logp: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Sets the rows' logprobs before the update (`logp`: their forward pass, without
+        gradient, one update per step) and the rollout correction computed from them."""
+        mask = step.batch.mask[rows]
+        rm.check_finite(f"step {self.version + 1}: the learner's logprobs", logp, mask)
+        step.inputs.old_logp[rows] = logp
+        behaviour = torch.where(step.known[rows, None], step.rollout_logp[rows], logp)
+        step.correction[rows] = self.algorithm.correction_weights(logp, behaviour, mask)
 
     def _metrics(
         self,
