@@ -57,24 +57,43 @@ def pss_by_process(pids: Iterable[int]) -> dict[int, int]:
     return {pid: size for pid, size in sizes.items() if size is not None}
 
 
-def process_label(pid: int, names: dict[int, str]) -> str:
-    """Returns what to call a process: its name in `names` (an actor's), else its own
-    (Ray's: raylet, gcs_server, ray::DashboardAgent, ...)."""
+def process_label(pid: int, names: dict[int, str], owners: dict[int, str] | None = None) -> str:
+    """Returns what to call a process: its name in `names` (an actor's); for a process
+    an actor of `owners` started, "<actor> child" (a reward worker's reward process);
+    else its own name (Ray's: raylet, gcs_server, ray::DashboardAgent, ...)."""
     if pid in names:
         return names[pid]
     try:
         process = psutil.Process(pid)
-        command = process.cmdline()
-        return Path(command[0].split()[0]).name if command else process.name()
-    except (psutil.Error, IndexError):
+        for parent in process.parents():
+            if parent.pid in (owners or {}):
+                return f"{owners[parent.pid]} child"
+        return _command_name(process.cmdline()) or process.name()
+    except psutil.Error:
         return "gone"
 
 
-def by_label(sizes: dict[int, int], names: dict[int, str]) -> dict[str, int]:
-    """Returns the sizes summed by process label, largest first."""
+def _command_name(command: list[str]) -> str:
+    """Returns a command's program, or for a Python interpreter the script or module it
+    runs (Ray's log_monitor.py, monitor.py; the local Ray's watchdog)."""
+    if not command:
+        return ""
+    program = Path(command[0].split()[0]).name
+    if not program.startswith("python"):
+        return program
+    arguments = [arg for arg in command[1:] if not arg.startswith("-") or arg == "-m"]
+    if arguments[:1] == ["-m"] and len(arguments) > 1:
+        return arguments[1]
+    return Path(arguments[0]).name if arguments else program
+
+
+def by_label(
+    sizes: dict[int, int], names: dict[int, str], owners: dict[int, str] | None = None
+) -> dict[str, int]:
+    """Returns the sizes summed by process label (process_label), largest first."""
     totals: dict[str, int] = {}
     for pid, size in sizes.items():
-        label = process_label(pid, names)
+        label = process_label(pid, names, owners)
         totals[label] = totals.get(label, 0) + size
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
@@ -114,7 +133,8 @@ class MemoryMonitor:
         self.last_bytes = total
         if total > (self.peak_bytes or 0):
             self.peak_bytes = total
-            self.peak_by_process = by_label(sizes, {os.getpid(): "driver", **self.names()})
+            actors = self.names()
+            self.peak_by_process = by_label(sizes, {os.getpid(): "driver", **actors}, actors)
         return total
 
     def stop(self) -> None:
