@@ -271,7 +271,7 @@ def test_the_ingestion_endpoint_comes_back_and_a_retry_stores_nothing_twice(syst
     assert actors.restart_counts()["ingest"] == 1
     # The buffer restarts empty and refuses calls until restored (the driver's job).
     ray.kill(actors.buffer, no_restart=False)
-    wait_for(actors.buffer.__ray_ready__.remote(), "buffer", "restart", 120)
+    wait_until_restarted(actors.buffer, "buffer")
     fresh = [{**posted[0], "episode_id": "after-buffer-restart"}]
     status, answer, headers = post(url, fresh)
     assert (status, headers["Retry-After"]) == (503, "5"), answer
@@ -284,6 +284,20 @@ def test_the_ingestion_endpoint_comes_back_and_a_retry_stores_nothing_twice(syst
 
 
 ANSWER = {"accepted": 0, "duplicates": 0, "scored": 0, "queued_for_training": 0}
+
+
+def wait_until_restarted(handle, name: str, timeout_s: float = 120) -> None:
+    """Waits until an actor Ray is restarting answers (calls made meanwhile fail with
+    "temporarily unavailable"), as the driver's recovery does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            wait_for(handle.__ray_ready__.remote(), name, "restart", timeout_s)
+            return
+        except ActorFailure as failure:
+            if not failure.restarting or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def test_dead_rollout_actor_is_named(system):
