@@ -4,11 +4,11 @@ Ray ties its GCS and raylet to the driver that started them (they die with it), 
 the actors' workers follow their raylet within seconds; but the dashboard and runtime-env
 agents poll for their raylet and outlive a SIGKILLed driver by about a minute. The
 driver starts this program right after `ray.init` with the read end of a pipe whose
-write end only the driver holds, and the process ids (and start times) of the Ray it
-started. The read returns once the driver has exited: then every one of those processes
-still running is killed.
+write end only the driver holds, and its own process id. Until the read returns (the
+driver has exited) it notes, every second, the processes below the driver (and their
+start times); then it kills every one of them still running.
 
-    python local_ray_watchdog.py FD PID:START [PID:START ...]
+    python local_ray_watchdog.py FD DRIVER_PID
 
 Standard library only, and started in a session of its own: it must outlive the
 driver's process group.
@@ -16,30 +16,55 @@ driver's process group.
 
 import contextlib
 import os
+import select
 import signal
 import sys
+from pathlib import Path
 
 
 def start_time(pid):
     """Returns the start time of process `pid` (clock ticks since boot), None if gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])  # field 22 of proc(5)
+
+
+def _stat_fields(pid):
+    """Returns /proc/<pid>/stat's fields after the command's ")" (field 3 on), or None."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
+            return stat.read().rpartition(")")[2].split()
     except OSError:
         return None
-    return int(fields[19])  # field 22 of proc(5), counted after the command's ")"
 
 
-def main(fd, processes):
+def descendants(root):
+    """Returns {pid: start time} of every process below `root`."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
+            children.setdefault(int(fields[1]), []).append((int(entry.name), int(fields[19])))
+    found, pending = {}, [root]
+    while pending:
+        for pid, started in children.get(pending.pop(), []):
+            found[pid] = started
+            pending.append(pid)
+    return found
+
+
+def main(fd, driver):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's
-    while os.read(fd, 4096):  # b"": the driver has exited
-        pass
-    for pid, started in processes:
+    known = {}
+    while True:
+        known.update(descendants(driver))  # agents Ray starts late are noted too
+        known.pop(os.getpid(), None)  # this program, started by the driver too
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready and not os.read(fd, 4096):  # b"": the driver has exited
+            break
+    for pid, started in known.items():
         if start_time(pid) == started:  # not a new process that took a freed pid
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
-    pairs = [arg.split(":") for arg in sys.argv[2:]]
-    main(int(sys.argv[1]), [(int(pid), int(started)) for pid, started in pairs])
+    main(int(sys.argv[1]), int(sys.argv[2]))

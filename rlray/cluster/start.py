@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -135,16 +134,11 @@ def connect(address: str, num_cpus: int) -> None:
 
 
 def _end_local_ray_with_this_process() -> None:
-    """Starts local_ray_watchdog.py over the processes of the Ray this process started,
-    so that none of them outlives it (see there)."""
-    processes = [
-        f"{child.pid}:{started}"
-        for child in psutil.Process().children(recursive=True)
-        if (started := local_ray_watchdog.start_time(child.pid)) is not None
-    ]
+    """Starts local_ray_watchdog.py over the processes this process starts (the local
+    Ray's), so that none of them outlives it (see there)."""
     read_end, _ = os.pipe()  # the write end stays open, unshared, while this process lives
     subprocess.Popen(
-        [sys.executable, local_ray_watchdog.__file__, str(read_end), *processes],
+        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid())],
         pass_fds=(read_end,),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
