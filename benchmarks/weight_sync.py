@@ -76,8 +76,8 @@ def sync_seconds(
     config.rollout.weight_sync = path
     config.model.path = model_path
     config.run_dir = str(run_dir)
-    # With staleness >= 1 (the default) each sync starts a parity probe on rollout-0,
-    # whose generation the next sync's load waits behind: not the sync's own time.
+    # With staleness >= 1 (the default) each sync is followed by its parity check, a
+    # phase of its own: not the sync's time, and left out here.
     config.buffer.max_staleness = 0
     plan = RunPlan(
         config,

@@ -82,6 +82,32 @@ def test_weight_sync_changes_generation_and_keeps_parity(system, tmp_path):
     driver.drain()
 
 
+def test_a_sync_is_checked_on_its_steps_own_tokens_and_an_engine_left_behind_shows(system):
+    # max_staleness 1: a training batch is a version old, so its own logprobs cannot show
+    # a sync's parity. After each sync an engine that loaded the weights scores a few
+    # episodes of the step's batch as a prompt (a prefill, no generation), as the
+    # learner does.
+    plan, actors = system
+    learner, worker = actors.learner, actors.rollout[0]
+    version = ray.get(learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=7000)
+
+    def parity_now() -> float:
+        scored = worker.token_logprobs.remote(learner.parity_sample.remote())
+        return ray.get(learner.check_parity.remote(scored))
+
+    driver.train_step()
+    driver.sync_weights()
+    assert driver.clock.lap()["parity_check"] > 0  # the driver checked this sync
+    assert parity_now() <= 1e-4  # and so does this test: the same episodes, both sides
+    for _ in range(2):
+        driver.train_step()  # the learner moves on; the engines keep the synced weights
+    assert parity_now() > 1e-2
+    driver.sync_weights()
+    assert parity_now() <= 1e-4
+    driver.drain()
+
+
 def _start_environment(actor) -> dict[str, str]:
     """Returns the environment the actor's process started with (what glibc read)."""
     with open("/proc/self/environ", "rb") as environ:

@@ -221,6 +221,7 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
         assert sum(v for k, v in split.items() if k != "total") == pytest.approx(split["total"])
         # Every step syncs (sync_every 1); evaluations and checkpoints land where they ran.
         assert split["weight_sync"] > 0
+        assert split["parity_check"] == 0  # max_staleness 0: each batch shows parity
         assert (split["evaluation"] > 0) == (record.get("eval_accuracy") is not None)
         assert (split["checkpoint"] > 0) == ("checkpoint" in record)
         assert record["memory_gib"] > 0.3  # at least vLLM's process
@@ -450,8 +451,10 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
         r["weight_versions_loaded"] == {"rollout-0": r["step"], "rollout-1": r["step"]}
         for r in records
     )
-    # Every sync's parity is checked, on the fresh training batch or a post-sync probe.
+    # Every sync's parity is checked, on the step's own tokens after the sync (its time
+    # in the split) or on the next batch where it is fresh.
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
+    assert all(r["phase_seconds"]["parity_check"] > 0 for r in records)
     # Each step trained one whole generated batch (one trained_at, one policy version)
     # at most one version older than the learner. Left untrained: only batches of
     # version 5 or later, prefetched when the run ended; nothing older was lost.

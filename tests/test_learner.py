@@ -28,9 +28,14 @@ def model_path() -> str:
 
 
 def make_learner(
-    model_path: str, device: str = "cpu", checkpoint: str | None = None, **changes
+    model_path: str,
+    device: str = "cpu",
+    checkpoint: str | None = None,
+    temperature: float = 1.0,
+    **changes,
 ) -> Learner:
-    """Returns a learner of 4-episode steps; `changes` set config fields by dotted name."""
+    """Returns a learner of 4-episode steps that samples at `temperature`; `changes` set
+    config fields by dotted name."""
     config = Config()
     # Adam moves every weight by about lr on its first steps; a tiny model needs a small lr.
     config.learner.lr = 1e-5
@@ -47,7 +52,7 @@ def make_learner(
         config.learner,
         max_new_tokens=config.rollout.max_new_tokens,
         samples_per_prompt=4,
-        temperature=1.0,
+        temperature=temperature,
         seed=0,
         device=device,
         checkpoint=checkpoint,
@@ -375,6 +380,28 @@ def test_observation_tokens_are_context_but_never_trained_or_parity_checked(mode
     unmasked.train_step(episodes)
     with pytest.raises(AssertionError):
         assert_same_policy(one, unmasked)
+
+
+def test_a_sync_is_checked_on_the_steps_own_episodes_at_temperature_one(model_path, device):
+    # Sampling at 0.7, the learner still keeps temperature-1 logprobs for the check:
+    # what vLLM gives tokens fed to it as a prompt (RolloutWorker.token_logprobs).
+    learner = make_learner(model_path, device, temperature=0.7)
+    learner.train_step(two_turn_episodes(learner, "+1=", garbage=0.0))
+    sample = learner.parity_sample()
+    assert [e.episode_id for e in sample] == ["t-0-0", "t-0-1"]  # the step's own episodes
+    engine = plain_logprobs(learner.engine.policy, sample)  # the weights after the step
+    # An engine off by 30 nats on an observation token, which the policy never sampled.
+    engine[0][1] -= 30.0
+    assert sample[0].completion_mask[1] == 0
+    assert learner.check_parity(engine) < 1e-5
+    # One policy token 0.25 off: what a weight sync that went wrong shows.
+    engine[1][-1] += 0.25
+    assert learner.check_parity(engine) == pytest.approx(0.25, abs=1e-5)
+    # Reported by the next step, whose batch of an older version cannot show parity.
+    stale = two_turn_episodes(learner, "+1=", garbage=0.0)
+    for e in stale:
+        e.policy_version = learner.version - 1
+    assert learner.train_step(stale).logprob_parity_error == pytest.approx(0.25, abs=1e-5)
 
 
 def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, device, tmp_path):

@@ -90,6 +90,10 @@ class ColocatedActor(RolloutActor, LearnerActor):
         self.turns.engine()
         return RolloutActor.eval_episodes(self, rows, samples, temperature, examples)
 
+    def token_logprobs(self, episodes: list[Episode]) -> list[list[float]]:
+        self.turns.engine()
+        return RolloutActor.token_logprobs(self, episodes)
+
     def load_learner_weights(self) -> tuple[int, float]:
         """Loads this process's learner's weights into the engine, in memory; returns
         the version now held and the seconds it took."""
@@ -109,9 +113,11 @@ class ColocatedActor(RolloutActor, LearnerActor):
         self.turns.learner()
         return LearnerActor.train_on(self, batch_refs, timeout_s)
 
-    def check_parity(self, episodes: list[Episode]) -> float | None:
+    def parity_sample(self) -> list[Episode]:
         self.turns.learner()
-        return LearnerActor.check_parity(self, episodes)
+        return LearnerActor.parity_sample(self)
+
+    # check_parity compares numbers on the host: anyone's turn.
 
     def open_weight_transfer(self, *args: Any, **kwargs: Any) -> None:
         # Both faces have one (a worker joins a transfer; a learner opens one): here

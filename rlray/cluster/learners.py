@@ -127,8 +127,11 @@ class LearnerActor(_GroupMember):
     def close_weight_transfer(self) -> None:
         self.learner.close_weight_transfer()
 
-    def check_parity(self, episodes: list[Episode]) -> float | None:
-        return self.learner.check_parity(episodes)
+    def parity_sample(self) -> list[Episode]:
+        return self.learner.parity_sample()
+
+    def check_parity(self, engine_logprobs: list[list[float]]) -> float | None:
+        return self.learner.check_parity(engine_logprobs)
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         return self.learner.logprobs(episodes)

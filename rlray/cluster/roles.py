@@ -82,6 +82,10 @@ class RolloutActor(RolloutWorker):
             self.telemetry.set("rlray_eval_accuracy", result.accuracy)
         return episodes, result
 
+    def token_logprobs(self, episodes: list[Episode]) -> list[list[float]]:
+        self._check_weights()  # a restarted engine's would be the base model's
+        return super().token_logprobs(episodes)
+
     def finish_weight_update(self, version: int) -> None:
         super().finish_weight_update(version)
         self.awaiting_weights = False

@@ -209,6 +209,12 @@ class RolloutConfig:
     from the learner's GPU into every worker's engine, tensor by tensor. gloo: the same
     engine over a gloo group, on CPU. auto: nccl when the learner (learner.gpus) and the
     rollout workers (gpus_per_worker) have GPUs, else object_store."""
+    parity_check_every: int = positive(1)
+    """With buffer.max_staleness >= 1, every Nth weight sync is checked: rollout worker
+    0's engine and the learner score a few episodes of the step's batch with the new
+    weights (a prefill and a forward pass, no generation), and the largest logprob gap
+    is reported as the next step's logprob_parity_error (the timing split's
+    parity_check). With max_staleness 0 each training batch shows parity itself."""
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources per rollout actor, e.g. {rollout_node: 1} to keep rollouts on
     nodes started with `ray start --resources '{"rollout_node": 4}'`."""

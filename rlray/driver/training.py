@@ -63,7 +63,7 @@ class TrainingDriver:
         )
         self.store = StoreWrites(actors.store, self.recovery, self.clock)
         self.weights = WeightSync(
-            config, actors, self.recovery, self.clock, self.telemetry, plan.eval_rows, version
+            config, actors, self.recovery, self.clock, self.telemetry, version
         )
         self.rollouts = Rollouts(
             actors,

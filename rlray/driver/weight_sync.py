@@ -7,6 +7,11 @@ GPUs, gloo on CPU), where the learners send each tensor straight into the worker
 engines. A restarted worker loads the published weights, published anew if the last
 sync went by transfer. Colocated (ray.placement colocated): each engine takes its own
 learner's weights in memory, in its process.
+
+With buffer.max_staleness >= 1 a sync is checked on its own: a few episodes of the step's
+batch are scored by the learner and by a rollout engine that just loaded its weights
+(rollout.parity_check_every). With 0, every training batch is made by the weights the
+learner holds, and its own logprobs show parity.
 """
 
 from __future__ import annotations
@@ -19,13 +24,10 @@ from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config, weight_sync
-from rlray.core.prompt import PromptRow
 from rlray.driver.recovery import Recovery
 from rlray.observe.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
-
-PARITY_PROBE_PROMPTS = 2
 
 Loaded = dict[str, tuple[int, float | None]]
 """Per worker name: the version it holds and its load seconds (None: not measured)."""
@@ -41,7 +43,6 @@ class WeightSync:
         recovery: Recovery,
         clock: PhaseClock,
         telemetry: Telemetry,
-        probe_rows: list[PromptRow],
         version: int,
     ):
         self.config = config
@@ -49,18 +50,22 @@ class WeightSync:
         self.recovery = recovery
         self.clock = clock
         self.telemetry = telemetry
-        self.probe_rows = probe_rows[:PARITY_PROBE_PROMPTS]
         self.worker_versions = [version] * len(actors.rollout)
         self.transfer = weight_sync(config)  # object_store, nccl or gloo
         self.transfer_open = False  # the learners' weight transfer to the workers
         self.published: Any = None  # ObjectRef of the last published weights
-        self.parity_probe: Any = None  # held so a failed probe is not reported as unhandled
+        self.syncs = 0
         recovery.restorers["rollout"] = self._reload
 
     def sync(self) -> dict[str, Any]:
         """Publishes the learner's weights once and loads them on every rollout worker;
         returns the sync's record: its path, wall time, the slowest worker's load time
         and the version each worker holds."""
+        self.syncs += 1
+        checked = self.config.buffer.max_staleness > 0 and (
+            self.syncs % self.config.rollout.parity_check_every == 0
+        )
+        sample = self._parity_sample() if checked else None
         with self.clock.phase("weight_sync"):
             started = time.perf_counter()
             if self.transfer == "object_store":
@@ -69,9 +74,10 @@ class WeightSync:
                 path, loaded = "in_memory", self._load_in_memory()
             else:
                 path, loaded = self._send()
-            if self.config.buffer.max_staleness > 0:
-                self._probe_parity()
             seconds = time.perf_counter() - started
+        if sample is not None:
+            with self.clock.phase("parity_check"):
+                self._check_parity(sample)
         self.telemetry.set("rlray_weight_sync_seconds", seconds)
         load_seconds = [s for _, s in loaded.values() if s is not None]
         return {
@@ -154,18 +160,35 @@ class WeightSync:
         self.recovery.call("learner", opened, "opening the weight transfer")
         self.transfer_open = True
 
-    def _probe_parity(self) -> None:
-        """Has the learner check this sync's logprob parity on a few fresh episodes.
+    def _parity_sample(self) -> Any:
+        """Has the learner keep its logprobs of a few episodes of the step's batch, and
+        returns the reference to those episodes. Before the load: a colocated learner's
+        turn ends there."""
+        with self.clock.phase("parity_check"):
+            learner = self.actors.learner
+            sample = learner.parity_sample.remote()
+            # An actor runs calls in order: the answer to a small one says the sample is
+            # ready, and its episodes stay out of the driver.
+            self.recovery.call("learner", learner.state.remote(), "parity check")
+        return sample
 
-        With max_staleness >= 1 training batches are mostly a version old, so the
-        learner cannot compare them with its current weights. A small batch of held-out
-        prompts (negative prompt indexes; never trained on) generated right after the
-        sync goes to the learner, which checks it before its next update: actor calls
-        from this driver run in the order they were made."""
-        rows = self.probe_rows
-        worker = self.actors.rollout[0]
-        episodes, _ = worker.generate.options(num_returns=2).remote(rows, -len(rows))
-        self.parity_probe = self.actors.learner.check_parity.remote(episodes)
+    def _check_parity(self, sample: Any) -> None:
+        """Has rollout worker 0's engine score the learner's sample of the step's batch
+        (a prefill), and the learner compare it with its own logprobs: the parity error
+        its next step reports. A worker that died meanwhile is brought back (it loads
+        the weights), and this sync goes unchecked."""
+        name, worker = self.actors.rollout_names[0], self.actors.rollout[0]
+        scored = worker.token_logprobs.remote(sample)
+        try:
+            self.recovery.call(name, scored, "parity check")  # a few hundred floats
+        except ActorFailure as failure:
+            if not failure.died or failure.lost:
+                raise
+            self.recovery.recover(name, failure)  # raises if the learner died
+            logger.warning("%s; this sync's parity is not checked", failure)
+            return
+        checked = self.actors.learner.check_parity.remote(scored)
+        self.recovery.call("learner", checked, "parity check")
 
     def _reload(self, name: str) -> None:
         """Loads the current weights on a restarted rollout worker."""

@@ -273,9 +273,12 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _completion_logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+    def _completion_logits(
+        self, model: nn.Module, batch: TokenBatch, temperature: float | None = None
+    ) -> torch.Tensor:
         """Returns (B, T, V) float32 logits at the positions that predict each completion
-        token, divided by the sampling temperature; no other position's logits exist."""
+        token, divided by `temperature` (None: the sampling temperature); no other
+        position's logits exist."""
         steps = batch.completion_columns
         logits = model(
             input_ids=batch.input_ids,
@@ -283,7 +286,7 @@ class Engine:
             position_ids=batch.position_ids,
             logits_to_keep=steps + 1,
         ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
-        return logits.float() / self.temperature
+        return logits.float() / (self.temperature if temperature is None else temperature)
 
     def forward(self, batch: TokenBatch, entropy_grad: bool = False) -> Outputs:
         """Returns the policy's logprobs and entropy (and the critic's values) of one
@@ -306,14 +309,17 @@ class Engine:
         )
         return values[:, :-1].float()  # (B, T): the state before each completion token
 
-    def score(self, batch: TokenBatch, with_values: bool = True) -> Outputs:
+    def score(
+        self, batch: TokenBatch, with_values: bool = True, temperature: float | None = None
+    ) -> Outputs:
         """Returns the policy's logprobs (and the critic's values) of every row, without
-        gradients, `micro_batch_size` rows at a time."""
+        gradients, `micro_batch_size` rows at a time; logprobs at `temperature` (None:
+        the sampling temperature)."""
         with_values = with_values and self.critic is not None
 
         def score_rows(micro: TokenBatch) -> dict[str, torch.Tensor]:
             with self._compute():
-                logits = self._completion_logits(self.policy, micro)
+                logits = self._completion_logits(self.policy, micro, temperature)
                 values = self._values(micro) if with_values else None
             logp = rm.token_logprobs(logits, micro.completion_ids)
             return {"logp": logp} if values is None else {"logp": logp, "values": values}

@@ -13,6 +13,7 @@ a corrupted sync) plus staleness.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ from rlray.learner.engine import Engine, LossFn, MiniBatchTotals, Outputs, Token
 from rlray.weights.packing import publishable_weights, tied_output_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+PARITY_EPISODES = 2
+"""Episodes of a step's batch that the parity check after its weight sync scores."""
 
 
 @dataclass
@@ -115,6 +119,10 @@ class Learner:
         """Whether steps with one update take the logprobs before it from its own forward
         pass (fuses_old_logprobs); tests turn it off to compare."""
         self.probe_parity: float | None = None
+        """The last sync check's parity error, reported by the next step if its batch has
+        no episode of the current version."""
+        self.parity_episodes: list[Episode] = []  # the last step's, for the sync check
+        self.parity_reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
         if checkpoint:
             state = json.loads((Path(checkpoint) / "state.json").read_text())
@@ -161,6 +169,8 @@ class Learner:
         if not episodes:
             raise ValueError("every episode of this step was dropped by a failing reward")
         validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
+        self.parity_episodes = self._parity_candidates(episodes)
+        self.parity_reference = None  # of the weights this step changes
         fused = self.fuses_old_logprobs(len(episodes))
         step = self._prepare(episodes, fused)
         try:
@@ -332,17 +342,48 @@ class Learner:
             completion_length_mean=float(mask.sum(dim=1).mean()),
         )
 
-    def check_parity(self, episodes: list[Episode]) -> float | None:
-        """Records (and returns) the parity error of a probe batch made right after a
-        weight sync. With max_staleness >= 1 training batches are usually a version old,
-        so without a probe a corrupted sync would go unseen; the next train_step reports
-        it when its own batch has no fresh episodes."""
+    def parity_sample(self) -> list[Episode]:
+        """Returns a few episodes of the last step's batch, and keeps the current
+        weights' logprobs of their policy tokens at temperature 1: what a rollout engine
+        holding the same weights gives those tokens (RolloutWorker.token_logprobs).
+        check_parity compares the two. With max_staleness >= 1 a training batch is
+        usually a version old, so its own logprobs cannot show a corrupted sync; this
+        check can, with its own tokens: a forward pass here and a prefill in the engine
+        over a few episodes, no generation."""
+        episodes = self.parity_episodes
+        if not episodes:
+            self.parity_reference = None
+            return []
         batch = self._batch(episodes)
-        logp = self.engine.score(batch, with_values=False).logp
-        rollout_logp, known = self._rollout_logprobs(episodes, batch.completion_columns)
-        mask = batch.mask * known[:, None]
-        self.probe_parity = self._parity_error(episodes, logp, rollout_logp, mask)
+        logp = self.engine.score(batch, with_values=False, temperature=1.0).logp
+        self.parity_reference = (logp, batch.mask)
+        return episodes
+
+    def check_parity(self, engine_logprobs: list[list[float]]) -> float | None:
+        """Records (and returns) max |engine logprob - learner logprob| over the policy
+        tokens of parity_sample's episodes, given the engine's (None: nothing to
+        compare). The next train_step reports it if its own batch cannot show parity."""
+        if self.parity_reference is None or not engine_logprobs:
+            return None
+        logp, mask = self.parity_reference
+        engine = torch.zeros_like(logp)
+        for row, scored in enumerate(engine_logprobs):
+            engine[row, : len(scored)] = torch.tensor(scored)
+        self.probe_parity = float(((logp - engine).abs() * mask).max())
         return self.probe_parity
+
+    def _parity_candidates(self, episodes: list[Episode]) -> list[Episode]:
+        """The first PARITY_EPISODES episodes with a policy token that an engine can take
+        whole as a prompt (one token short of the model's length: it samples one)."""
+        room = self.limits.max_model_len - 1
+        fit = (
+            e
+            for e in episodes
+            if (not e.completion_mask or any(e.completion_mask))
+            and e.completion_token_ids
+            and len(e.prompt_token_ids) + len(e.completion_token_ids) <= room
+        )
+        return list(itertools.islice(fit, PARITY_EPISODES))
 
     def _parity_error(
         self,

@@ -20,6 +20,7 @@ PHASES = (
     "buffer",  # buffer calls: reserve, add, take, stats
     "training",  # waiting for the learner's step
     "weight_sync",  # publishing weights and loading them on every rollout worker
+    "parity_check",  # after a sync: an engine and the learner score a few episodes
     "evaluation",  # held-out accuracy
     "checkpoint",  # saving a checkpoint
     "store",  # handing batches to the episode store and checking its answers

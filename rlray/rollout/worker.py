@@ -398,6 +398,27 @@ class RolloutWorker:
         trajectories)."""
         return self.eval_episodes(rows, examples=examples)[1]
 
+    def token_logprobs(self, episodes: list[Episode]) -> list[list[float]]:
+        """Returns this engine's logprob of each episode's completion tokens, each after
+        its prompt and the tokens before it, at temperature 1: the tokens go in as one
+        prompt and vLLM gives its prompt logprobs (computed before any sampling
+        processor, and never from a prefix cached under other weights). A prefill, no
+        generation: how a weight sync is checked on a batch's own tokens."""
+        # as in __init__
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        prompts = [
+            {"prompt_token_ids": [*e.prompt_token_ids, *e.completion_token_ids]} for e in episodes
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        scored = []
+        for episode, output in zip(episodes, outputs, strict=True):
+            steps = output.prompt_logprobs[len(episode.prompt_token_ids) :]
+            tokens = episode.completion_token_ids
+            scored.append([step[token].logprob for step, token in zip(steps, tokens, strict=True)])
+        return scored
+
     def close(self) -> None:
         """Shuts the engine down. It runs in this process (vllm_env turns vLLM's
         multiprocessing off): shutting it down frees its weights and KV cache (vLLM
