@@ -149,3 +149,20 @@ def test_every_learner_runs_as_many_micro_batches_as_the_busiest():
     assert dd.micro_batches([1, 2, 3, 4, 5], 3) == [[1, 2], [3, 4], [5]]
     assert dd.micro_batches([7], 3) == [[7], [], []]
     assert dd.micro_batches([], 2) == [[], []]
+
+
+def test_rows_go_longest_first_by_completion_then_prompt():
+    prompt, completion = [2, 5, 2, 3], [4, 4, 9, 1]
+    assert dd.longest_first([0, 1, 2, 3], prompt, completion) == [2, 1, 0, 3]
+    assert dd.longest_first([3, 0], prompt, completion) == [0, 3]
+
+
+def test_a_token_budget_bounds_each_micro_batch_with_its_padding():
+    prompt, completion = [2, 2, 2, 2, 2], [20, 10, 5, 4, 1]
+    # Row 0 (22 tokens) is over the budget: alone. Row 1 (12): alone, as 2 x 12 > 16.
+    # Rows 2 and 3 pad to 7 each: 14; row 4 would make 3 x 7 = 21.
+    batches = dd.token_budget_batches([0, 1, 2, 3, 4], prompt, completion, 16)
+    assert batches == [[0], [1], [2, 3], [4]]
+    # The padded size counts the longest prompt and the longest completion together.
+    assert dd.token_budget_batches([0, 1], [9, 1], [1, 9], 20) == [[0], [1]]
+    assert dd.token_budget_batches([], prompt, completion, 16) == []

@@ -237,6 +237,11 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
     shares = summary["memory_peak_by_process_gib"]
     assert {"driver", "rollout-0", "learner", "reward-0", "buffer", "store"} <= set(shares)
     assert sum(shares.values()) == pytest.approx(summary["memory_peak_gib"])
+    # The learner's padding: what every step's passes computed beyond their tokens.
+    computed = sum(r["learner_tokens_computed"] for r in records[1:])
+    padding = sum(r["learner_padding_tokens"] for r in records[1:])
+    assert computed > padding > 0  # answers of 1 to 3 digits pad a little
+    assert summary["learner_padding_share"] == pytest.approx(padding / computed)
     assert re.search(r"^time: \w+ \d+ s \(\d+%\)", done["a"].stdout, re.M), done["a"].stdout
     assert re.search(r"^memory: peak \d+\.\d\d GiB", done["a"].stdout, re.M)
 

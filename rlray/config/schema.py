@@ -377,6 +377,11 @@ class LearnerConfig:
     """Episodes per optimizer update."""
     micro_batch_size: int = positive(64)
     """Episodes per forward/backward; gradients accumulate over a mini-batch."""
+    micro_batch_tokens: int = non_negative(0)
+    """Above 0, a forward/backward holds at most this many tokens, padding included
+    (rows x its longest prompt + longest completion), instead of micro_batch_size
+    episodes; a longer episode runs alone. Either way a micro-batch holds episodes of
+    like lengths and computes no column that all of them pad."""
     lr: float = positive(5e-5)
     """AdamW learning rate of the policy."""
     critic_lr: float = positive(1e-4)

@@ -48,6 +48,10 @@ class StepMetrics:
     learner_tokens_per_s: float
     learner_seconds: float
     completion_length_mean: float
+    learner_tokens_computed: int = 0
+    """Token positions the learner's passes of this step computed, padding included."""
+    learner_padding_tokens: int = 0
+    """Of those, the padding: columns of a micro-batch past a row's own tokens."""
 
 
 def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:

@@ -45,6 +45,9 @@ class RunSummary:
     memory_peak_by_process_gib: dict[str, float]
     """At that peak, each process's PSS by name (actors by theirs; Ray's by its own)."""
     run_dir: str
+    learner_padding_share: float | None = None
+    """Of the token positions the learner computed in this run, the share that was
+    padding (None before a step)."""
     episodes_stored: int | None = None
     """Every scored episode the store wrote (None if it could not be closed)."""
 
@@ -93,6 +96,7 @@ class RunLog:
         self.progress = Progress(total_steps=config.learner.steps, first_step=self.first_step)
         self.best = BestCheckpoint(plan.run_dir, config.eval.best_metric, self.first_step)
         self.episodes = 0
+        self.learner_tokens = {"computed": 0, "padding": 0}
         self.started = time.perf_counter()
 
     def start(self) -> None:
@@ -111,6 +115,8 @@ class RunLog:
             record.update(evaluation.record())
             self._evaluated(step, evaluation, record.get("checkpoint"))
         self.episodes += record.get("episodes", 0)
+        self.learner_tokens["computed"] += record.get("learner_tokens_computed", 0)
+        self.learner_tokens["padding"] += record.get("learner_padding_tokens", 0)
         record["elapsed_seconds"] = time.perf_counter() - self.started
         record["phase_seconds"] = self.clock.lap()
         record["memory_gib"] = gib(self.memory.last_bytes if step else self.memory.sample())
@@ -150,6 +156,11 @@ class RunLog:
                 name: size / GIB for name, size in self.memory.peak_by_process.items()
             },
             run_dir=str(self.plan.run_dir),
+            learner_padding_share=(
+                self.learner_tokens["padding"] / self.learner_tokens["computed"]
+                if self.learner_tokens["computed"]
+                else None
+            ),
         )
 
     def close(self) -> None:

@@ -149,6 +149,37 @@ def micro_batch_count(rows_per_learner: Sequence[int], micro_batch_size: int) ->
     return max(1, max(-(-rows // micro_batch_size) for rows in rows_per_learner))
 
 
+def longest_first(
+    rows: Sequence[int], prompt: Sequence[int], completion: Sequence[int]
+) -> list[int]:
+    """Returns `rows` by completion length, then prompt length, longest first (equals in
+    row order): consecutive micro-batches then hold rows of like lengths, which leave
+    little padding once trimmed (TokenBatch.trimmed)."""
+    return sorted(rows, key=lambda r: (-completion[r], -prompt[r], r))
+
+
+def token_budget_batches(
+    rows: Sequence[int], prompt: Sequence[int], completion: Sequence[int], budget: int
+) -> list[list[int]]:
+    """Returns `rows` (in their order) in consecutive micro-batches whose padded size,
+    rows x (longest prompt + longest completion), is at most `budget` tokens; a row
+    longer than the budget is a micro-batch of its own."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    widest_prompt = widest_completion = 0
+    for row in rows:
+        grown_prompt = max(widest_prompt, prompt[row])
+        grown_completion = max(widest_completion, completion[row])
+        if current and (len(current) + 1) * (grown_prompt + grown_completion) > budget:
+            batches.append(current)
+            current, grown_prompt, grown_completion = [], prompt[row], completion[row]
+        current.append(row)
+        widest_prompt, widest_completion = grown_prompt, grown_completion
+    if current:
+        batches.append(current)
+    return batches
+
+
 def micro_batches(rows: Sequence[int], count: int) -> list[list[int]]:
     """Returns `rows` in `count` consecutive micro-batches as even as can be; some are
     empty when there are fewer rows than micro-batches."""

@@ -16,8 +16,12 @@ code runs with a group of one (nothing sharded, every row its own).
 
 Memory: logits are computed only at the completion positions (prompts are left-padded
 so that every completion starts at the same column and `logits_to_keep` cuts the rest),
-for at most `micro_batch_size` rows at a time; the entropy graph is built only when the
-entropy enters the loss.
+for at most `micro_batch_size` rows (or `micro_batch_tokens` padded tokens) at a time;
+the entropy graph is built only when the entropy enters the loss.
+
+Padding: a micro-batch holds rows of like lengths (longest first) and runs on its own
+columns only (TokenBatch.trimmed), so a short row is padded to the longest of its
+micro-batch, not of the batch; `token_counts` says how much padding is left.
 
 bfloat16: weights and optimizer state stay float32; forward and backward passes run
 under autocast in bfloat16, and the rollout workers get bfloat16 copies.
@@ -94,6 +98,26 @@ class TokenBatch:
         """Returns the sub-batch of the given rows."""
         return TokenBatch(*(getattr(self, f.name)[index] for f in fields(self)))
 
+    def trimmed(self, index: torch.Tensor) -> TokenBatch:
+        """Returns the sub-batch of the given rows without the columns that are padding
+        in every one of them: the prompts' common left padding and the completion
+        columns past its longest completion. Its logprobs are the full batch's (masked
+        columns change no attention), on fewer columns: widen() puts them back."""
+        rows = self.rows(index)
+        present = rows.attention_mask.any(dim=0)
+        prompt_columns = self.input_ids.shape[1] - self.completion_columns
+        first = int(present[:prompt_columns].long().argmax())  # every row has a prompt
+        filled = present[prompt_columns:].nonzero()
+        steps = int(filled[-1]) + 1 if len(filled) else 1  # one column at least, as collate
+        end = prompt_columns + steps
+        return TokenBatch(
+            rows.input_ids[:, first:end],
+            rows.attention_mask[:, first:end],
+            rows.position_ids[:, first:end],
+            rows.completion_ids[:, :steps],
+            rows.mask[:, :steps],
+        )
+
     def to(self, device: torch.device) -> TokenBatch:
         return TokenBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
@@ -141,6 +165,17 @@ class Outputs:
     entropy: torch.Tensor | None = None
     values: torch.Tensor | None = None
 
+    def widened(self, columns: int) -> Outputs:
+        """Returns the outputs of a trimmed batch on the full batch's `columns`
+        completion columns: zeros on the columns it left out, where no row has a token."""
+        kept = (self.logp, self.entropy, self.values)
+        return Outputs(*(None if t is None else widen(t, columns) for t in kept))
+
+
+def widen(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """Returns a (B, T) tensor right-padded with zeros to (B, columns)."""
+    return nn.functional.pad(tensor, (0, columns - tensor.shape[1]))
+
 
 @dataclass
 class MiniBatchTotals:
@@ -152,6 +187,20 @@ class MiniBatchTotals:
     sampled: float
     """Every sequence of the mini-batch, in the loss or not: Dr. GRPO's G, which masking
     (mask_truncated) must not change."""
+
+
+@dataclass
+class TokenCounts:
+    """Token positions a learner's forward passes computed, and how many of them were
+    padding (a row's columns past its own tokens)."""
+
+    computed: int = 0
+    padding: int = 0
+
+    def add(self, micro: TokenBatch) -> None:
+        computed = micro.input_ids.numel()
+        self.computed += computed
+        self.padding += computed - int(micro.attention_mask.sum())
 
 
 LossFn = Callable[[Outputs, torch.Tensor, MiniBatchTotals], tuple[torch.Tensor, dict[str, float]]]
@@ -182,6 +231,7 @@ class Engine:
         critic_lr: float = 1e-4,
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 64,
+        micro_batch_tokens: int = 0,
         temperature: float = 1.0,
         with_reference: bool = False,
         with_critic: bool = False,
@@ -200,6 +250,13 @@ class Engine:
         self.device = torch.device(device)
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.token_counts = TokenCounts()
+        """Token positions this learner's passes computed, and the padding among them."""
+        self.buckets_by_length = True
+        """Whether a micro-batch holds rows of like lengths on its own columns; off, rows
+        in mini-batch order padded to the batch's longest (as before; what
+        benchmarks/padding.py compares against)."""
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.lora = lora_rank > 0
@@ -356,12 +413,15 @@ class Engine:
         # Gathered outputs travel pickled, through the CPU; a lone learner's stay put.
         travel = "cpu" if self.world_size > 1 else self.device
         own: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        columns = batch.completion_columns
         for micro_rows in self._micro_batches(batch, rows):
             if micro_rows is None:  # nothing left here, but the group's passes go on
-                rows_fn(batch.rows(rows[:1]))
+                rows_fn(self._micro(batch, rows[:1]))
                 continue
-            outputs = rows_fn(batch.rows(micro_rows))
-            own.append((micro_rows.to(travel), {k: v.to(travel) for k, v in outputs.items()}))
+            micro = self._micro(batch, micro_rows)
+            self.token_counts.add(micro)
+            outputs = {k: widen(v, columns).to(travel) for k, v in rows_fn(micro).items()}
+            own.append((micro_rows.to(travel), outputs))
         result: dict[str, torch.Tensor] = {}
         for learner_rows in dd.gather_objects(own):
             for micro_rows, outputs in learner_rows:
@@ -373,16 +433,35 @@ class Engine:
 
     def _micro_batches(self, batch: TokenBatch, rows: torch.Tensor) -> list[torch.Tensor | None]:
         """Returns this learner's share of `rows` (balanced by tokens across the group;
-        all of them outside one) in as many micro-batches as the busiest learner runs:
-        None where this learner has no row left, as FSDP2 needs every learner to run
-        the same forward and backward passes."""
-        lengths = batch.attention_mask[rows].sum(dim=1).tolist()
+        all of them outside one), longest first, in as many micro-batches as the
+        busiest learner runs: None where this learner has no row left, as FSDP2 needs
+        every learner to run the same forward and backward passes. A micro-batch holds
+        micro_batch_tokens padded tokens at most, or else micro_batch_size rows."""
+        prompt_columns = batch.input_ids.shape[1] - batch.completion_columns
+        present = batch.attention_mask[rows]
+        prompt = present[:, :prompt_columns].sum(dim=1).tolist()
+        completion = present[:, prompt_columns:].sum(dim=1).tolist()
+        lengths = [p + c for p, c in zip(prompt, completion, strict=True)]
         owned = dd.split_by_tokens(lengths, self.world_size)
-        count = dd.micro_batch_count([len(o) for o in owned], self.micro_batch_size)
+        if self.buckets_by_length:
+            owned = [dd.longest_first(o, prompt, completion) for o in owned]
+        if self.micro_batch_tokens:
+            split = [
+                dd.token_budget_batches(o, prompt, completion, self.micro_batch_tokens)
+                for o in owned
+            ]
+            count = max(1, max(len(batches) for batches in split))
+            mine = split[self.rank] + [[]] * (count - len(split[self.rank]))
+        else:
+            count = dd.micro_batch_count([len(o) for o in owned], self.micro_batch_size)
+            mine = dd.micro_batches(owned[self.rank], count)
         return [
             rows[torch.tensor(micro, dtype=torch.long, device=rows.device)] if micro else None
-            for micro in dd.micro_batches(owned[self.rank], count)
+            for micro in mine
         ]
+
+    def _micro(self, batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
+        return batch.trimmed(rows) if self.buckets_by_length else batch.rows(rows)
 
     def _reference_mode(self) -> contextlib.AbstractContextManager:
         """With LoRA, the policy without its adapters is the base model, exactly."""
@@ -419,7 +498,10 @@ class Engine:
                 for rows in self._micro_batches(batch, minibatch):
                     idle = rows is None  # this learner's rows are done; the group's are not
                     rows = minibatch[:1] if idle else rows
-                    outputs = self.forward(batch.rows(rows), entropy_grad)
+                    micro = self._micro(batch, rows)
+                    if not idle:
+                        self.token_counts.add(micro)
+                    outputs = self.forward(micro, entropy_grad).widened(batch.completion_columns)
                     loss, metrics = loss_fn(outputs, rows, totals)
                     (loss * 0.0 if idle else loss).backward()
                     for key, value in {} if idle else metrics.items():

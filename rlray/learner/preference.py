@@ -190,6 +190,7 @@ def dpo_trainer(config: Config, model_path: str, device: str = "cpu") -> tuple[D
         lr=learner.lr,
         max_grad_norm=learner.max_grad_norm,
         micro_batch_size=learner.micro_batch_size,
+        micro_batch_tokens=learner.micro_batch_tokens,
         with_reference=True,
         gradient_checkpointing=learner.gradient_checkpointing,
         seed=config.seed,

@@ -33,7 +33,15 @@ from rlray.core.groups import check_whole_groups, group_indexes
 from rlray.core.stats import StepMetrics
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
-from rlray.learner.engine import Engine, LossFn, MiniBatchTotals, Outputs, TokenBatch, collate
+from rlray.learner.engine import (
+    Engine,
+    LossFn,
+    MiniBatchTotals,
+    Outputs,
+    TokenBatch,
+    TokenCounts,
+    collate,
+)
 from rlray.weights.packing import publishable_weights, tied_output_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -92,6 +100,7 @@ class Learner:
             critic_lr=learner.critic_lr,
             max_grad_norm=learner.max_grad_norm,
             micro_batch_size=learner.micro_batch_size,
+            micro_batch_tokens=learner.micro_batch_tokens,
             temperature=temperature,
             with_reference=self.algorithm.needs_reference,
             with_critic=self.algorithm.needs_critic,
@@ -170,6 +179,7 @@ class Learner:
             raise ValueError("every episode of this step was dropped by a failing reward")
         validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
         self.parity_episodes = self._parity_candidates(episodes)
+        self.engine.token_counts = TokenCounts()
         self.parity_reference = None  # of the weights this step changes
         fused = self.fuses_old_logprobs(len(episodes))
         step = self._prepare(episodes, fused)
@@ -340,6 +350,8 @@ class Learner:
             learner_tokens_per_s=tokens * self.learner.epochs / seconds,
             learner_seconds=seconds,
             completion_length_mean=float(mask.sum(dim=1).mean()),
+            learner_tokens_computed=self.engine.token_counts.computed,
+            learner_padding_tokens=self.engine.token_counts.padding,
         )
 
     def parity_sample(self) -> list[Episode]:

@@ -404,6 +404,8 @@ class RolloutWorker:
         prompt and vLLM gives its prompt logprobs (computed before any sampling
         processor, and never from a prefix cached under other weights). A prefill, no
         generation: how a weight sync is checked on a batch's own tokens."""
+        if not episodes:  # the sync before any step: nothing to check
+            return []
         # as in __init__
         from vllm import SamplingParams
 

@@ -1,0 +1,124 @@
+"""A learner step on episodes of very different lengths: micro-batches padded to the
+batch's longest episode (rlray before, `Engine.buckets_by_length = False`) against
+micro-batches of like lengths, each on its own columns, by rows and by a token budget;
+side by side in one process.
+
+    python benchmarks/padding.py                        # 12.6M, 64 episodes of 8-256 tokens
+    python benchmarks/padding.py --size 0.5M --episodes 256 --budget 4096
+
+The random-weight models of benchmarks/vs_trl.py. Completion lengths are drawn
+uniformly from --shortest to --longest tokens (a reasoning task's long tail), one update
+per step. Each repeat runs one step of each kind on the same episodes from the same
+weights, in turn; the first repeat is warm-up. Prints the median seconds, the learner's
+real tokens/s and the padding share of each, and checks that all made the same update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learner_step import learner
+from vs_trl import SIZES, random_model
+
+from rlray.core.episode import Episode
+from rlray.learner.rl import Learner
+
+
+def long_tail_episodes(
+    count: int, shortest: int, longest: int, vocab: int, samples: int
+) -> list[Episode]:
+    """Returns groups of `samples` episodes of random tokens, completions of `shortest`
+    to `longest` tokens, half rewarded."""
+    rng = random.Random(0)
+    return [
+        Episode(
+            run_id="bench",
+            episode_id=f"bench-{i}",
+            prompt_index=i // samples,
+            sample_index=i % samples,
+            prompt="12+34=",
+            completion="",
+            prompt_token_ids=[rng.randrange(vocab) for _ in range(8)],
+            completion_token_ids=[
+                rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))
+            ],
+            rollout_logprobs=[],
+            finish_reason="stop",
+            policy_version=0,
+            rollout_worker="bench",
+            reward=float(i % 2),
+        )
+        for i in range(count)
+    ]
+
+
+def kinds(model: str, args: argparse.Namespace) -> dict[str, Learner]:
+    """The three learners, on the same weights: padded, bucketed by rows, by tokens."""
+    padded = learner(model, args.episodes, args.longest)
+    padded.engine.buckets_by_length = False
+    by_rows = learner(model, args.episodes, args.longest)
+    padded.engine.micro_batch_size = by_rows.engine.micro_batch_size = args.rows
+    by_tokens = learner(model, args.episodes, args.longest)
+    by_tokens.engine.micro_batch_tokens = args.budget
+    return {
+        f"padded, {padded.engine.micro_batch_size} rows": padded,
+        f"like lengths, {by_rows.engine.micro_batch_size} rows": by_rows,
+        f"like lengths, {args.budget} tokens": by_tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="10M", choices=list(SIZES))
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--shortest", type=int, default=8)
+    parser.add_argument("--longest", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=16, help="micro_batch_size")
+    parser.add_argument("--budget", type=int, default=4096, help="micro_batch_tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model, params = random_model(args.size, args.longest)
+    torch.manual_seed(0)
+    learners = kinds(model, args)
+    vocab = next(iter(learners.values())).limits.vocab_size
+    seconds: dict[str, list[float]] = {name: [] for name in learners}
+    padding: dict[str, float] = {}
+    tokens = 0
+    for repeat in range(args.repeats + 1):
+        for name, one in learners.items():
+            episodes = long_tail_episodes(args.episodes, args.shortest, args.longest, vocab, 4)
+            tokens = sum(len(e.prompt_token_ids) + len(e.completion_token_ids) for e in episodes)
+            started = time.perf_counter()
+            metrics = one.train_step(episodes)
+            if repeat:  # the first is warm-up
+                seconds[name].append(time.perf_counter() - started)
+            padding[name] = metrics.learner_padding_tokens / metrics.learner_tokens_computed
+    weights = [list(one.engine.policy.parameters()) for one in learners.values()]
+    gap = max(
+        float((a - b).abs().max())
+        for other in weights[1:]
+        for a, b in zip(weights[0], other, strict=True)
+    )
+    print(f"{args.size} ({params / 1e6:.1f}M), {args.episodes} episodes of "
+          f"{args.shortest}-{args.longest} completion tokens, "
+          f"torch threads {torch.get_num_threads()}, {args.repeats} steps each")  # fmt: skip
+    base = statistics.median(next(iter(seconds.values())))
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"  {name:26s} {median:6.2f} s a step, {tokens / median:7.0f} tokens/s, "
+              f"padding {padding[name]:.0%}, {base / median:.2f}x")  # fmt: skip
+    print(f"  largest weight difference after the steps {gap:.1e}")
+
+
+if __name__ == "__main__":
+    main()
