@@ -50,8 +50,11 @@ def learner(model: str, episodes: int, tokens: int) -> Learner:
     )
 
 
-def random_episodes(count: int, tokens: int, vocab: int, samples: int) -> list[Episode]:
-    """Returns groups of `samples` episodes of random completion tokens, half rewarded."""
+def random_episodes(
+    count: int, tokens: int, vocab: int, samples: int, shortest: int = 0
+) -> list[Episode]:
+    """Returns groups of `samples` episodes of random tokens, half rewarded: completions
+    of `tokens` tokens, or of `shortest` to `tokens` (uniformly drawn) if given."""
     rng = random.Random(0)
     return [
         Episode(
@@ -62,9 +65,11 @@ def random_episodes(count: int, tokens: int, vocab: int, samples: int) -> list[E
             prompt="12+34=",
             completion="",
             prompt_token_ids=[rng.randrange(vocab) for _ in range(8)],
-            completion_token_ids=[rng.randrange(vocab) for _ in range(tokens)],
+            completion_token_ids=[
+                rng.randrange(vocab) for _ in range(rng.randint(shortest or tokens, tokens))
+            ],
             rollout_logprobs=[],
-            finish_reason="length",
+            finish_reason="stop" if shortest else "length",
             policy_version=0,
             rollout_worker="bench",
             reward=float(i % 2),

@@ -16,7 +16,6 @@ real tokens/s and the padding share of each, and checks that all made the same u
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -27,39 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learner_step import learner
+from learner_step import learner, random_episodes
 from vs_trl import SIZES, random_model
 
-from rlray.core.episode import Episode
 from rlray.learner.rl import Learner
-
-
-def long_tail_episodes(
-    count: int, shortest: int, longest: int, vocab: int, samples: int
-) -> list[Episode]:
-    """Returns groups of `samples` episodes of random tokens, completions of `shortest`
-    to `longest` tokens, half rewarded."""
-    rng = random.Random(0)
-    return [
-        Episode(
-            run_id="bench",
-            episode_id=f"bench-{i}",
-            prompt_index=i // samples,
-            sample_index=i % samples,
-            prompt="12+34=",
-            completion="",
-            prompt_token_ids=[rng.randrange(vocab) for _ in range(8)],
-            completion_token_ids=[
-                rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))
-            ],
-            rollout_logprobs=[],
-            finish_reason="stop",
-            policy_version=0,
-            rollout_worker="bench",
-            reward=float(i % 2),
-        )
-        for i in range(count)
-    ]
 
 
 def kinds(model: str, args: argparse.Namespace) -> dict[str, Learner]:
@@ -96,7 +66,7 @@ def main() -> None:
     tokens = 0
     for repeat in range(args.repeats + 1):
         for name, one in learners.items():
-            episodes = long_tail_episodes(args.episodes, args.shortest, args.longest, vocab, 4)
+            episodes = random_episodes(args.episodes, args.longest, vocab, 4, args.shortest)
             tokens = sum(len(e.prompt_token_ids) + len(e.completion_token_ids) for e in episodes)
             started = time.perf_counter()
             metrics = one.train_step(episodes)
