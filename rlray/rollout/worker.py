@@ -177,7 +177,10 @@ class RolloutWorker:
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(_DropRotaryReloadWarning())
-        self._warm_up()
+        if model.dtype == "float32":
+            # In bfloat16, vLLM 0.32's CPU build dies in a generate call made before the
+            # first weight load (measured; float32 does not), which a run always makes.
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """Generates one token with its logprob. vLLM's CPU build sets up its logprobs
