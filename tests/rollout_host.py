@@ -92,11 +92,15 @@ def started_host() -> Iterator:
 
 
 @contextlib.contextmanager
-def rollout_actor(host, model_dir: Path, dtype: str, max_model_len: int = 64) -> Iterator:
+def rollout_actor(
+    host, model_dir: Path, dtype: str, max_model_len: int = 64, rollout: RolloutConfig = ROLLOUT
+) -> Iterator:
     """Yields the host holding a RolloutActor on the model, built with the arguments rlray
-    builds one with; shuts its engine down after."""
+    builds one with (`rollout`: ROLLOUT, or settings that need no other vllm_env); shuts
+    its engine down after."""
+    assert vllm_env(rollout) == vllm_env(ROLLOUT), "the host's process has ROLLOUT's"
     model = ModelConfig(path=str(model_dir), dtype=dtype, max_model_len=max_model_len)
-    args = (f"rollout-{model_dir.name}", str(model_dir), model, ROLLOUT, "tests", 0)
+    args = (f"rollout-{model_dir.name}", str(model_dir), model, rollout, "tests", 0)
     ray.get(host.start.remote(*args), timeout=300)
     try:
         yield host

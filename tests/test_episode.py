@@ -170,8 +170,11 @@ def test_a_store_written_before_completion_masks_reads_as_all_policy_tokens(tmp_
 
     import rlray.episodes
 
-    old = to_table([make_episode()]).drop_columns(["completion_mask"])
-    new = to_table([make_episode(episode_id="run-3-2", completion_mask=[1, 0, 1])])
+    # Schema version 2 had neither column; version 1 had no completion_mask.
+    old = to_table([make_episode()]).drop_columns(["completion_mask", "last_policy_version"])
+    new = to_table(
+        [make_episode(episode_id="run-3-2", completion_mask=[1, 0, 1], last_policy_version=3)]
+    )
     for name, table in (("a-old", old), ("b-new", new)):
         folder = tmp_path / "run=run" / "date=2026-11-23"
         folder.mkdir(parents=True, exist_ok=True)
@@ -179,3 +182,6 @@ def test_a_store_written_before_completion_masks_reads_as_all_policy_tokens(tmp_
     restored = {e.episode_id: e for e in from_table(rlray.episodes.read(tmp_path))}
     assert restored["run-3-1"].completion_mask == []
     assert restored["run-3-2"].completion_mask == [1, 0, 1]
+    # One policy version made every token of an episode stored before in-flight updates.
+    assert restored["run-3-1"].last_policy_version == restored["run-3-1"].policy_version == 2
+    assert restored["run-3-2"].last_policy_version == 3

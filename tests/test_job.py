@@ -408,9 +408,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def overlap_run(job_env, tmp_path_factory):
-    """One 6-step run with two rollout workers and max_staleness 1, rewards from a config
-    file with a user reward file, evaluations with samples and rewards of their own, and
-    wandb (offline): for several tests."""
+    """One 6-step run with two rollout workers, max_staleness 1 and in-flight weight
+    updates, rewards from a config file with a user reward file, evaluations with
+    samples and rewards of their own, and wandb (offline): for several tests."""
     root = tmp_path_factory.mktemp("overlap")
     rewards = root / "rewards.py"
     rewards.write_text(USER_REWARDS)
@@ -432,6 +432,7 @@ def overlap_run(job_env, tmp_path_factory):
     args += ["--learner.eval_every", "2"]
     overlap = ["--rollout.num_workers", "2", "--buffer.max_staleness", "1"]
     overlap += ["--rollout.weight_sync", "gloo"]  # into both engines, one group
+    overlap += ["--rollout.in_flight_updates", "true"]
     tracking = ["--tracking.wandb", "true", "--tracking.wandb_mode", "offline"]
     result = run_job([*args, *overlap, *tracking], {**job_env, "WANDB_SILENT": "true"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -448,7 +449,7 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
     assert all(r["dropped_stale"] == 0 and r["dropped_stale_this_step"] == 0 for r in records)
     # Both workers generated, and every sync brought both to the learner's version,
     # through vLLM's weight transfer (one broadcast into both engines, which may be
-    # generating when it starts: it waits for them).
+    # generating: each pauses between two engine steps, loads, and goes on).
     seen = {name: version for r in records for name, version in r["worker_policy_versions"].items()}
     assert set(seen) == {"rollout-0", "rollout-1"}
     assert all(r["weight_sync"] == "gloo" for r in records)
@@ -464,7 +465,13 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
     # at most one version older than the learner. Left untrained: only batches of
     # version 5 or later, prefetched when the run ended; nothing older was lost.
     trained: dict[float, list] = {}
-    for e in stored_episodes(run_dir):
+    episodes = stored_episodes(run_dir)
+    # An episode generated across a sync records both versions; a batch is trained before
+    # the sync after next, so at most one sync lands while it is generated.
+    assert all(e.policy_version <= e.last_policy_version <= e.policy_version + 1 for e in episodes)
+    across = sum(e.last_policy_version > e.policy_version for e in episodes)
+    assert sum(r["episodes_updated_in_flight"] for r in records) <= across
+    for e in episodes:
         assert e.trained_at is not None or e.policy_version >= 5, e
         if e.trained_at is not None:
             trained.setdefault(e.trained_at, []).append(e)

@@ -260,6 +260,9 @@ def _start_rollout_workers(
             name=name,
             runtime_env=env,
             max_restarts=config.ray.max_actor_restarts,
+            # In-flight weight updates: a load (or a second batch) runs while a batch
+            # generates, each call in a thread of its own (rlray.rollout.engine_loop).
+            max_concurrency=3 if config.rollout.in_flight_updates else 1,
             **placement.actor_options("rollout", i),
         )
         .remote(

@@ -41,6 +41,7 @@ LossAggregation = Literal[
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
 WeightSync = Literal["auto", "object_store", "nccl", "gloo"]
+InFlightKVCache = Literal["recompute", "keep"]
 RolePlacement = Literal["disaggregated", "colocated"]
 KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
@@ -209,6 +210,22 @@ class RolloutConfig:
     from the learner's GPU into every worker's engine, tensor by tensor. gloo: the same
     engine over a gloo group, on CPU. auto: nccl when the learner (learner.gpus) and the
     rollout workers (gpus_per_worker) have GPUs, else object_store."""
+    in_flight_updates: bool = False
+    """Weight syncs load the new weights while requests run: the engine pauses between
+    two of its steps, loads them and goes on, and the running requests finish under the
+    new policy (each episode records the oldest and newest policy versions of its
+    tokens; staleness counts from the oldest). A worker then generates up to two batches
+    at once, so that the next batch starts while the last one's longest completions
+    finish. false: a sync waits until the worker's requests are done. With ray.placement
+    colocated an engine never runs while its learner trains, so no request is in flight
+    at a sync."""
+    in_flight_kv_cache: InFlightKVCache = "recompute"
+    """With in_flight_updates, what running requests do with the KV cache the old weights
+    computed. recompute: the new weights compute it again from each request's tokens so
+    far (vLLM preempts and resumes them) and every later token is the new policy's
+    exactly. keep: the old KV stays and later tokens attend to it (no recompute; the
+    engine's prefix cache is then off, so that a request started after a sync never
+    reads KV of older weights)."""
     parity_check_every: int = positive(1)
     """With buffer.max_staleness >= 1, every Nth weight sync is checked: rollout worker
     0's engine and the learner score a few episodes of the step's batch with the new

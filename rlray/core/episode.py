@@ -53,6 +53,8 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("completion_mask", pa.list_(pa.int8())),
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("policy_version", pa.int64(), nullable=False),
+        # Null in stores written before in-flight weight updates: read as policy_version.
+        pa.field("last_policy_version", pa.int64()),
         pa.field("rollout_worker", pa.string(), nullable=False),
         pa.field("columns", pa.string(), nullable=False),  # JSON object of dataset columns
         pa.field("reward", pa.float64()),
@@ -62,7 +64,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("trained_at", _TIMESTAMP),
         pa.field("spans", pa.list_(SPAN_TYPE), nullable=False),
     ],
-    metadata={"rlray.episode_schema_version": "2"},
+    metadata={"rlray.episode_schema_version": "3"},
 )
 
 
@@ -108,7 +110,8 @@ class Episode:
     finish_reason: str
     """'stop' (end of sequence) or 'length' (hit max_new_tokens)."""
     policy_version: int
-    """Learner version whose weights generated the completion."""
+    """Learner version whose weights generated the completion's first token: the oldest
+    of its versions, from which its staleness counts."""
     rollout_worker: str
     """Name of the rollout actor, e.g. rollout-0."""
     columns: dict[str, Any] = field(default_factory=dict)
@@ -125,11 +128,19 @@ class Episode:
     (dropped as stale, dropped by a failing reward, or left over at the end)."""
     spans: list[Span] = field(default_factory=list)
     """Steps of a multi-step trace (empty for a single model call)."""
+    last_policy_version: int | None = None
+    """Learner version whose weights generated its last token: newer than policy_version
+    where a weight sync came while it was generated (rollout.in_flight_updates). Given
+    as None (an episode made elsewhere, or stored before), it is policy_version."""
     completion_mask: list[int] = field(default_factory=list)
     """Per completion token, 1 where the policy generated it and 0 where the rollout
     appended it (an environment's observation or a tool's result between turns): the
     learner trains, and checks logprob parity, only where it is 1. Empty: every token is
     the policy's (a single model call)."""
+
+    def __post_init__(self) -> None:
+        if self.last_policy_version is None:
+            self.last_policy_version = self.policy_version
 
 
 def _micros(seconds: float | None) -> int | None:

@@ -68,6 +68,7 @@ class GenerateStats:
 
     worker: str
     policy_version: int
+    """The oldest policy version of its episodes' tokens."""
     episodes: int
     completion_tokens: int
     """Tokens the policy generated (observation tokens of multi-turn episodes aside)."""
@@ -75,6 +76,9 @@ class GenerateStats:
     tool_calls: int = 0
     """Tool calls of multi-turn episodes (tool_call spans), and how many failed."""
     tool_errors: int = 0
+    updated_in_flight: int = 0
+    """Episodes whose tokens came from more than one policy version (a weight sync
+    while they were generated: rollout.in_flight_updates)."""
 
 
 @dataclass

@@ -71,9 +71,12 @@ class RolloutTally:
     per_worker_version: dict[str, int] = field(default_factory=dict)
     tool_calls: int = 0
     tool_errors: int = 0
+    updated_in_flight: int = 0
+    """Episodes generated across a weight sync (rollout.in_flight_updates)."""
 
     def generated(self, stats: GenerateStats) -> None:
         self.completion_tokens += stats.completion_tokens
+        self.updated_in_flight += stats.updated_in_flight
         self.tool_calls += stats.tool_calls
         self.tool_errors += stats.tool_errors
         self.generate_seconds += stats.seconds
@@ -102,7 +105,11 @@ class Rollouts:
     `deliver(batch)` receives each scored batch, in the order batches were started: a
     batch may start only if it will be at most max_staleness versions old when trained,
     counting every batch started before it as trained first; handed on out of order, a
-    batch that took longer could fall behind that bound."""
+    batch that took longer could fall behind that bound.
+
+    A worker generates `batches_per_worker` batches at once at most: 2 with in-flight
+    weight updates, so that the next batch's requests join the engine while the last
+    one's longest completions finish."""
 
     def __init__(
         self,
@@ -112,6 +119,7 @@ class Rollouts:
         clock: PhaseClock,
         deliver: Callable[[InFlight], None],
         split_uniform_groups: bool = False,
+        batches_per_worker: int = 1,
     ):
         self.actors = actors
         self.prompts = prompts  # a PromptSource: row(i)
@@ -119,6 +127,7 @@ class Rollouts:
         self.clock = clock
         self.deliver = deliver
         self.split_uniform_groups = split_uniform_groups
+        self.batches_per_worker = batches_per_worker
         self.in_flight: list[InFlight] = []
         self.next_reward = 0
         self.tally = RolloutTally()
@@ -126,9 +135,10 @@ class Rollouts:
         """The learner step whose reward weights score (reward schedules)."""
 
     def idle_workers(self) -> list[int]:
-        """Returns the rollout workers not generating a batch."""
-        busy = {item.worker_index for item in self.in_flight if item.generated is None}
-        return [w for w in range(len(self.actors.rollout)) if w not in busy]
+        """Returns the rollout workers with room for another batch."""
+        generating = [item.worker_index for item in self.in_flight if item.generated is None]
+        workers = range(len(self.actors.rollout))
+        return [w for w in workers if generating.count(w) < self.batches_per_worker]
 
     def start(self, worker: int, first_prompt_index: int, prompts: int, samples: int) -> None:
         """Starts a batch of `prompts` prompts from the stream's `first_prompt_index` on

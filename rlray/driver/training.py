@@ -19,6 +19,7 @@ from typing import Any
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
+from rlray.config import Config
 from rlray.core.stats import StoreStats, metrics_dict
 from rlray.driver.evaluation import Evaluation, Evaluator
 from rlray.driver.interrupts import interrupts_held
@@ -31,6 +32,12 @@ from rlray.episodes.buffer import BufferedBatch, TakenBatches
 from rlray.observe.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
+
+
+def _batches_per_worker(config: Config) -> int:
+    """Returns how many batches a rollout worker generates at once: two with in-flight
+    weight updates (disaggregated: a colocated engine runs one call at a time)."""
+    return 2 if config.rollout.in_flight_updates and config.ray.placement != "colocated" else 1
 
 
 class TrainingDriver:
@@ -72,6 +79,7 @@ class TrainingDriver:
             self.clock,
             deliver=self._to_buffer,
             split_uniform_groups=config.algorithm.drop_uniform_groups,
+            batches_per_worker=_batches_per_worker(config),
         )
         self.rollouts.step_version = version
         self.evaluator = Evaluator(actors, plan.eval_rows, config.eval, self.recovery, self.clock)
@@ -184,6 +192,7 @@ class TrainingDriver:
             "dropped_uniform_groups": tally.uniform_groups,
             "dropped_uniform_episodes": tally.uniform_episodes,
             "worker_policy_versions": tally.per_worker_version,
+            "episodes_updated_in_flight": tally.updated_in_flight,
             "tool_calls": tally.tool_calls,
             "tool_call_success_rate": tally.tool_call_success_rate(),
             "actor_restarts": self.recovery.count_restarts(),

@@ -28,6 +28,7 @@ from rlray.core.episode import Episode, Span
 
 if TYPE_CHECKING:
     from rlray.config import RolloutConfig
+    from rlray.rollout.engine_loop import Session, Versions
 
 # A trajectory's environment step is one thread; more than this many wait their turn.
 MAX_ENVIRONMENT_THREADS = 32
@@ -77,6 +78,9 @@ class Trajectory:
     turns), or error (the environment raised; see the last span)."""
     prompt_text: str = ""
     """The prompt as the model reads it (a chat prompt's rendering): the episode's prompt."""
+    versions: Versions | None = None
+    """The policy versions of its first turn's first step and of its last turn's last
+    step; None before its first turn."""
 
     @property
     def context(self) -> list[int]:
@@ -109,7 +113,7 @@ def call_maybe_async(method: Callable[..., Any], *args: Any) -> Any:
 
 
 def run_trajectories(
-    engine: Any,
+    engine: Session,
     encode: Callable[[str], list[int]],
     trajectories: list[Trajectory],
     sampling: Callable[[Trajectory, int], Any],
@@ -117,7 +121,8 @@ def run_trajectories(
 ) -> None:
     """Runs every trajectory to its end, filling in its completion.
 
-    `engine` is vLLM's LLMEngine (add_request, step, has_unfinished_requests), `encode`
+    `engine` is a session of the worker's vLLM engine (add_request, step, abort_request;
+    rlray.rollout.engine_loop), `encode`
     the tokenizer's text -> ids without special tokens (for observations), and
     `sampling(trajectory, max_tokens)` the SamplingParams of its next turn."""
     in_engine: dict[str, Trajectory] = {}
@@ -134,6 +139,7 @@ def run_trajectories(
                 for output in engine.step():
                     if output.finished:
                         t = in_engine.pop(output.request_id)
+                        _take_versions(t, engine.versions.pop(output.request_id))
                         if _take_turn(t, output.outputs[0], limits):
                             step = pool.submit(call_maybe_async, t.environment.step, t.pieces[-1])
                             stepping[step] = (t, time.time())
@@ -155,7 +161,7 @@ def run_trajectories(
 
 
 @contextlib.contextmanager
-def _aborted_on_error(engine: Any, in_engine: dict[str, Trajectory]) -> Iterator[None]:
+def _aborted_on_error(engine: Session, in_engine: dict[str, Trajectory]) -> Iterator[None]:
     """Aborts the requests still in the engine if the loop fails, so that the engine's
     next caller does not receive their outputs."""
     try:
@@ -164,6 +170,13 @@ def _aborted_on_error(engine: Any, in_engine: dict[str, Trajectory]) -> Iterator
         if in_engine:
             engine.abort_request(list(in_engine))
         raise
+
+
+def _take_versions(t: Trajectory, turn: Versions) -> None:
+    if t.versions is None:
+        t.versions = turn
+    else:
+        t.versions.last = turn.last
 
 
 def _take_turn(t: Trajectory, completion: Any, limits: TurnLimits) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -21,6 +22,7 @@ from rlray.data.chat import RenderedPrompt, episode_columns, render_prompt
 from rlray.data.models import resolve_model_path
 from rlray.rewards.text import exact_match
 from rlray.rewards.trace import environment_total
+from rlray.rollout.engine_loop import EngineLoop, Versions
 from rlray.rollout.environments import load_environment
 from rlray.rollout.multiturn import (
     Trajectory,
@@ -85,8 +87,8 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     schedules them in waves. A cache too small for a rollout batch would make vLLM
     preempt and recompute sequences, which on the CPU build fails for seeded sampling
     ("CPU Generator does not use offset", vLLM 0.32). For the embedded model this is
-    64 MiB, where a fixed 1 GiB (rlray's earlier default) was allocated and touched,
-    and mostly unused."""
+    64 MiB (twice that with rollout.in_flight_updates: two batches), where a fixed 1 GiB
+    (rlray's earlier default) was allocated and touched, and mostly unused."""
     # torch, transformers and vLLM load in the rollout actor only (see __init__)
     from transformers import AutoConfig
 
@@ -96,6 +98,8 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     value_bytes = 2 if model.dtype == "bfloat16" else 4
     per_token = 2 * text.num_hidden_layers * heads * head_dim * value_bytes
     sequences = rollout.prompts_per_batch * rollout.samples_per_prompt
+    if rollout.in_flight_updates:  # two batches at once (RolloutConfig.in_flight_updates)
+        sequences *= 2
     blocks = -(-model.max_model_len // KV_BLOCK_TOKENS)  # ceil
     return sequences * blocks * KV_BLOCK_TOKENS * per_token
 
@@ -129,7 +133,6 @@ class RolloutWorker:
         self.run_id = run_id
         self.seed = seed
         self.rollout = rollout
-        self.policy_version = policy_version
         engine_args: dict[str, Any] = {}
         if rollout.gpus_per_worker > 0:
             engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
@@ -154,11 +157,17 @@ class RolloutWorker:
 
                 register_backends()  # before the engine: its worker creates the engine
             engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
-        if rollout.environment:
-            # Turns arrive while others decode, and a prefill split across engine steps
-            # (chunked prefill) fails for seeded sampling on the CPU build ("CPU Generator
-            # does not use offset", vLLM 0.32): prefills wait for room instead.
+        if rollout.environment or rollout.in_flight_updates:
+            # Turns arrive while others decode (and with in-flight updates, a batch joins
+            # a running one, or a weight load makes every running request prefill again),
+            # and a prefill split across engine steps (chunked prefill) fails for seeded
+            # sampling on the CPU build ("CPU Generator does not use offset", vLLM 0.32,
+            # measured): prefills wait for room instead.
             engine_args["enable_chunked_prefill"] = False
+        if rollout.in_flight_updates and rollout.in_flight_kv_cache == "keep":
+            # KV computed by older weights stays in running requests; no new request may
+            # find it in the prefix cache.
+            engine_args["enable_prefix_caching"] = False
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -174,6 +183,11 @@ class RolloutWorker:
             load_environment(rollout.environment) if rollout.environment else None
         )
         self.tokenizer = self.llm.get_tokenizer()
+        # Every call goes through the loop: with in_flight_updates the actor runs a
+        # weight load (or a second batch) while a generate call is under way.
+        self.loop = EngineLoop(self.llm.llm_engine, policy_version)
+        # A fast tokenizer may not be used by two threads at once ("Already borrowed").
+        self.tokenizer_lock = threading.Lock()
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(_DropRotaryReloadWarning())
@@ -181,6 +195,11 @@ class RolloutWorker:
             # In bfloat16, vLLM 0.32's CPU build dies in a generate call made before the
             # first weight load (measured; float32 does not), which a run always makes.
             self._warm_up()
+
+    @property
+    def policy_version(self) -> int:
+        """The learner version of the engine's weights."""
+        return self.loop.version
 
     def _warm_up(self) -> None:
         """Generates one token with its logprob. vLLM's CPU build sets up its logprobs
@@ -191,7 +210,7 @@ class RolloutWorker:
         from vllm import SamplingParams
 
         prompt = {"prompt_token_ids": [self.tokenizer.eos_token_id or 0]}
-        self.llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=0), use_tqdm=False)
+        self.loop.generate([("warm-up", prompt, SamplingParams(max_tokens=1, logprobs=0))])
 
     def generate(
         self, rows: list[PromptRow], first_prompt_index: int
@@ -211,8 +230,7 @@ class RolloutWorker:
         )
         seconds = time.perf_counter() - started
         tokens = sum(len(e.completion_token_ids) for e in episodes)
-        stats = GenerateStats(self.name, self.policy_version, len(episodes), tokens, seconds)
-        return episodes, stats
+        return episodes, self._stats(episodes, tokens, seconds)
 
     def _sampled(
         self,
@@ -226,37 +244,41 @@ class RolloutWorker:
         # as in __init__
         from vllm import SamplingParams
 
-        prompts, params, keys = [], [], []
+        # Ids are unique per generation attempt: a batch regenerated after a failure, or
+        # by a resumed run, gets new ones, so the store never holds one id twice.
+        attempt = uuid.uuid4().hex[:8]
+        requests, keys = [], []
         for offset, row in enumerate(rows):
             index = first_prompt_index + offset
             rendered = self.render(row)
             for sample in range(samples):
-                prompts.append({"prompt_token_ids": rendered.token_ids})
-                params.append(
-                    SamplingParams(
-                        max_tokens=self.rollout.max_new_tokens,
-                        min_tokens=min_tokens,
-                        temperature=temperature,
-                        logprobs=0,
-                        seed=sampling_seed(self.seed, index, sample),
-                        **stop_settings(self.rollout),
+                requests.append(
+                    (
+                        f"{attempt}-{index}-{sample}",
+                        {"prompt_token_ids": rendered.token_ids},
+                        SamplingParams(
+                            max_tokens=self.rollout.max_new_tokens,
+                            min_tokens=min_tokens,
+                            temperature=temperature,
+                            logprobs=0,
+                            seed=sampling_seed(self.seed, index, sample),
+                            **stop_settings(self.rollout),
+                        ),
                     )
                 )
                 keys.append((row, rendered.text, index, sample))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.loop.generate(requests)
         now = time.time()
-        # Ids are unique per generation attempt: a batch regenerated after a failure, or
-        # by a resumed run, gets new ones, so the store never holds one id twice.
-        attempt = uuid.uuid4().hex[:8]
         return [
-            self._episode(row, text, index, sample, output, now, attempt)
-            for (row, text, index, sample), output in zip(keys, outputs, strict=True)
+            self._episode(row, text, index, sample, output, versions, now, attempt)
+            for (row, text, index, sample), (output, versions) in zip(keys, outputs, strict=True)
         ]
 
     def render(self, row: PromptRow) -> RenderedPrompt:
         """Returns the row's prompt as the model reads it: vLLM is given its token ids,
         so the prompt is tokenised once, as the prompt checks counted it."""
-        return render_prompt(self.tokenizer, row.prompt)
+        with self.tokenizer_lock:
+            return render_prompt(self.tokenizer, row.prompt)
 
     def _generate_turns(
         self, rows: list[PromptRow], first_prompt_index: int
@@ -265,11 +287,17 @@ class RolloutWorker:
         episodes = self.multi_turn_episodes(rows, first_prompt_index)
         seconds = time.perf_counter() - started
         tokens = sum(sum(e.completion_mask) for e in episodes)
-        calls, errors = tool_calls(episodes)
-        stats = GenerateStats(
-            self.name, self.policy_version, len(episodes), tokens, seconds, calls, errors
+        return episodes, self._stats(episodes, tokens, seconds, *tool_calls(episodes))
+
+    def _stats(
+        self, episodes: list[Episode], tokens: int, seconds: float, calls: int = 0, errors: int = 0
+    ) -> GenerateStats:
+        """Returns a generate call's stats; its version is its episodes' oldest."""
+        oldest = min((e.policy_version for e in episodes), default=self.policy_version)
+        updated = sum(e.last_policy_version != e.policy_version for e in episodes)
+        return GenerateStats(
+            self.name, oldest, len(episodes), tokens, seconds, calls, errors, updated
         )
-        return episodes, stats
 
     def multi_turn_episodes(
         self,
@@ -317,9 +345,10 @@ class RolloutWorker:
             )
 
         def encode(text: str) -> list[int]:
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            with self.tokenizer_lock:
+                return self.tokenizer(text, add_special_tokens=False).input_ids
 
-        run_trajectories(self.llm.llm_engine, encode, trajectories, sampling, limits)
+        run_trajectories(self.loop.session(), encode, trajectories, sampling, limits)
         now = time.time()
         return [self._trajectory_episode(t, now, attempt) for t in trajectories]
 
@@ -336,7 +365,8 @@ class RolloutWorker:
             completion_token_ids=t.completion_token_ids,
             rollout_logprobs=t.rollout_logprobs,
             finish_reason=t.finish_reason,
-            policy_version=self.policy_version,
+            policy_version=t.versions.first if t.versions else self.policy_version,
+            last_policy_version=t.versions.last if t.versions else self.policy_version,
             rollout_worker=self.name,
             columns=episode_columns(t.row),
             generated_at=now,
@@ -351,6 +381,7 @@ class RolloutWorker:
         index: int,
         sample: int,
         output,
+        versions: Versions,
         now: float,
         attempt: str,
     ) -> Episode:
@@ -370,7 +401,8 @@ class RolloutWorker:
             completion_token_ids=token_ids,
             rollout_logprobs=logprobs,
             finish_reason=completion.finish_reason or "length",
-            policy_version=self.policy_version,
+            policy_version=versions.first,
+            last_policy_version=versions.last,
             rollout_worker=self.name,
             columns=episode_columns(row),
             generated_at=now,
@@ -424,13 +456,18 @@ class RolloutWorker:
         # as in __init__
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        prompts = [
-            {"prompt_token_ids": [*e.prompt_token_ids, *e.completion_token_ids]} for e in episodes
+        attempt = uuid.uuid4().hex[:8]
+        requests = [
+            (
+                f"parity-{attempt}-{i}",
+                {"prompt_token_ids": [*e.prompt_token_ids, *e.completion_token_ids]},
+                SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            )
+            for i, e in enumerate(episodes)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.loop.generate(requests)
         scored = []
-        for episode, output in zip(episodes, outputs, strict=True):
+        for episode, (output, _) in zip(episodes, outputs, strict=True):
             steps = output.prompt_logprobs[len(episode.prompt_token_ids) :]
             tokens = episode.completion_token_ids
             scored.append([step[token].logprob for step, token in zip(steps, tokens, strict=True)])
@@ -448,11 +485,16 @@ class RolloutWorker:
 
     def open_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Joins the learner's transfer group (blocks until the learner opens it), leaving
-        the group it was in (a reopened transfer's)."""
-        self.llm.shutdown_weight_transfer_engine()
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        the group it was in (a reopened transfer's). The engine pauses meanwhile: its
+        worker's group changes."""
+        with self.loop.paused():
+            self.llm.shutdown_weight_transfer_engine()
+            self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
+        """Pauses the engine (between two of its steps) until finish_weight_update: no
+        step may run on half-loaded weights."""
+        self.loop.hold()
         self.llm.start_weight_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -462,8 +504,8 @@ class RolloutWorker:
     def finish_weight_update(self, version: int) -> None:
         """Ends the update (vLLM processes the loaded layers); this worker holds `version`."""
         self.llm.finish_weight_update()
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
+        self._loaded(version, self.llm.llm_engine.has_unfinished_requests())
+        self.loop.release()
 
     def loads_tied_output(self, tied_output: str) -> bool:
         """Whether vLLM's model takes the tied output embedding under its own name."""
@@ -481,7 +523,18 @@ class RolloutWorker:
         def reload(worker) -> None:  # runs on vLLM's worker, in this process
             worker.reload_weights(weights_iterator=iter(items))
 
-        self.llm.collective_rpc(reload)
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
+        with self.loop.paused() as running:
+            self.llm.collective_rpc(reload)
+            self._loaded(version, running)
         return time.perf_counter() - started
+
+    def _loaded(self, version: int, running: bool) -> None:
+        """After a weight load: no cached KV of the old weights may serve a request that
+        starts later (RolloutConfig.in_flight_kv_cache says what running ones do)."""
+        if not running:
+            self.llm.reset_prefix_cache()
+        elif self.rollout.in_flight_kv_cache == "recompute":
+            # vLLM preempts the running requests; they resume by recomputing their KV.
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        # keep: the prefix cache is off, and running requests keep their own KV
+        self.loop.version = version

@@ -1,0 +1,197 @@
+"""One vLLM engine shared by every caller of a rollout worker, stepped one step at a time.
+
+vLLM's LLMEngine runs a batch by steps: each step decodes one token of every running
+request (or prefills new ones). `EngineLoop` lets several callers in one process share
+it: each call opens a `Session`, adds its requests and steps until they are done; a
+step advances every caller's requests, and outputs go to the session that added them.
+Between two steps, `paused()` gives the engine to one caller alone: a weight load.
+
+That is how weights are updated in flight (rollout.in_flight_updates): a sync loads the
+new weights between two steps while requests run, and they go on under the new policy.
+Each request records the policy version of its first step and of its last one, so an
+episode knows the oldest version that produced its tokens (staleness counts from it).
+What happens to the running requests' KV cache, computed by the old weights, is
+rollout.in_flight_kv_cache's choice: kept, or recomputed by the new weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Versions:
+    """The policy versions a request ran under: at its first step and at its last."""
+
+    first: int
+    last: int
+
+
+class EngineLoop:
+    """Steps one vLLM LLMEngine for every caller in this process; a caller that needs the
+    engine alone (a weight load) gets it between two steps, before the next one."""
+
+    def __init__(self, engine: Any, version: int = 0):
+        self.engine = engine
+        self.version = version
+        """The policy version the engine's weights are; set by whoever loads weights."""
+        self._turn = threading.Condition()
+        self._busy = False  # a step or a paused() section holds the engine
+        self._waiting_pauses = 0  # pauses waiting: steps defer to them
+        self._held = False  # hold(): paused across calls (a layerwise weight transfer)
+        self._outputs: dict[str, Any] = {}  # finished outputs not yet taken by their session
+        self._versions: dict[str, Versions] = {}
+        self.steps = 0
+        self.updates_in_flight = 0
+        """Pauses (weight loads) that found requests running."""
+
+    def session(self) -> Session:
+        """Returns a new session: one caller's requests."""
+        return Session(self)
+
+    def generate(self, requests: list[tuple[str, Any, Any]]) -> list[tuple[Any, Versions]]:
+        """Runs (request id, prompt, sampling params) requests to their end; returns each
+        one's final output and versions, in the order given."""
+        session = self.session()
+        for request_id, prompt, params in requests:
+            session.add_request(request_id, prompt, params)
+        done: dict[str, Any] = {}
+        with session.aborted_on_error():
+            while session.pending:
+                for output in session.step():
+                    done[output.request_id] = output
+        return [(done[rid], session.versions.pop(rid)) for rid, _, _ in requests]
+
+    @contextmanager
+    def paused(self) -> Iterator[bool]:
+        """Holds the engine alone between two steps; yields whether requests are running
+        (they go on after it). Inside a hold() it runs at once, and ends the hold."""
+        if self._held:
+            try:
+                yield self.engine.has_unfinished_requests()
+            finally:
+                self.release()
+            return
+        self._acquire(pause=True)
+        try:
+            running = self.engine.has_unfinished_requests()
+            self.updates_in_flight += running
+            yield running
+        finally:
+            self._release()
+
+    def hold(self) -> None:
+        """Pauses the engine until release() (a weight update made by several calls); a
+        second hold() while held does nothing."""
+        if not self._held:
+            self._acquire(pause=True)
+            self.updates_in_flight += self.engine.has_unfinished_requests()
+            self._held = True
+
+    def release(self) -> None:
+        """Ends a hold(); nothing if none."""
+        if self._held:
+            self._held = False
+            self._release()
+
+    def _acquire(self, pause: bool) -> None:
+        with self._turn:
+            if pause:
+                self._waiting_pauses += 1
+            try:
+                while self._busy or (not pause and self._waiting_pauses):
+                    self._turn.wait()
+            finally:
+                if pause:
+                    self._waiting_pauses -= 1
+            self._busy = True
+
+    def _release(self) -> None:
+        with self._turn:
+            self._busy = False
+            self._turn.notify_all()
+
+    def _add(self, request_id: str, prompt: Any, params: Any) -> None:
+        self._acquire(pause=False)
+        try:
+            self.engine.add_request(request_id, prompt, params)
+            self._versions[request_id] = Versions(self.version, self.version)
+        finally:
+            self._release()
+
+    def _step(self) -> None:
+        """Takes one engine step and keeps its finished outputs for their sessions."""
+        self._acquire(pause=False)
+        try:
+            for output in self.engine.step():
+                if output.finished and output.request_id in self._versions:
+                    self._versions[output.request_id].last = self.version
+                    self._outputs[output.request_id] = output
+            self.steps += 1
+        finally:
+            self._release()
+
+    def _take(self, request_ids: set[str]) -> list[Any]:
+        with self._turn:
+            ready = [rid for rid in request_ids if rid in self._outputs]
+            return [self._outputs.pop(rid) for rid in ready]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._acquire(pause=False)
+        try:
+            self.engine.abort_request(request_ids)
+            for rid in request_ids:
+                self._outputs.pop(rid, None)
+                self._versions.pop(rid, None)
+        finally:
+            self._release()
+
+
+class Session:
+    """One caller's requests on an EngineLoop: the face of vLLM's LLMEngine that
+    rlray.rollout.multiturn drives (add_request, step, abort_request)."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.pending: set[str] = set()
+        self.versions: dict[str, Versions] = {}
+        """Each finished request's versions, by request id (taken by the caller)."""
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        # as the engine's caller
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # as vLLM's LLM.generate asks
+        self.loop._add(request_id, prompt, params)
+        self.pending.add(request_id)
+
+    def step(self) -> list[Any]:
+        """Returns this session's requests that finished, taking an engine step first
+        unless some already did (in another caller's step)."""
+        finished = self.loop._take(self.pending)
+        if not finished and self.pending:
+            self.loop._step()
+            finished = self.loop._take(self.pending)
+        for output in finished:
+            self.pending.discard(output.request_id)
+            self.versions[output.request_id] = self.loop._versions.pop(output.request_id)
+        return finished
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.loop._abort(request_ids)
+        self.pending.difference_update(request_ids)
+
+    @contextmanager
+    def aborted_on_error(self) -> Iterator[None]:
+        """Aborts this session's unfinished requests if the caller fails, so that no
+        other caller's step keeps running them."""
+        try:
+            yield
+        except BaseException:
+            if self.pending:
+                self.abort_request(list(self.pending))
+            raise

@@ -1,0 +1,135 @@
+"""In-flight weight updates on real vLLM (rollout.in_flight_updates; the session's rollout
+host, tests/rollout_host.py): a weight load lands between two engine steps of a generate
+call that is under way, the requests go on under the new weights, and each episode
+records the versions its tokens came from.
+
+The model is the embedded one without its end-of-sequence token (every completion runs
+to max_new_tokens) and with noise on its weights (two noisy copies are the old and the
+new policy: their logprobs differ at every token, where the trained model is sure).
+
+How the tokens' logprobs show which weights made them: after the generate call, the
+engine scores the episodes' tokens by prefill (RolloutWorker.token_logprobs) once with
+the new weights and once with the old ones loaded again. A token sampled before the load
+has the old weights' logprob, a token sampled after it the new weights' (recompute) or
+neither's (keep: it attended to KV the old weights computed).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from rlray.config import Config
+from rlray.core.prompt import PromptRow
+from rlray.data.models import resolve_model_path
+from tests.rollout_host import ROLLOUT, rollout_actor
+
+ROWS = [PromptRow(f"{a}+{a + 3}=", {"answer": str(2 * a + 3)}) for a in range(8)]
+TOKENS = 24  # every completion runs this long: the load finds them all running
+STEPS_BEFORE_LOAD = 5
+TOLERANCE = 1e-4  # float32; vLLM and a prefill of the same weights agree to ~1e-6 here
+
+
+def without_end_of_sequence(source: Path, target: Path) -> Path:
+    """Returns a copy of the model whose config and tokenizer name no end-of-sequence
+    token: vLLM then ends a completion at max_tokens only."""
+    shutil.copytree(source, target)
+    for name, key in [
+        ("config.json", "eos_token_id"),
+        ("generation_config.json", "eos_token_id"),
+        ("tokenizer_config.json", "eos_token"),
+    ]:
+        settings = json.loads((target / name).read_text())
+        settings[key] = None
+        (target / name).write_text(json.dumps(settings))
+    return target
+
+
+def noisy(path: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Returns the model's weights plus seeded noise: a policy unsure of every token."""
+    (file,) = glob.glob(str(path / "*.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: t + 0.3 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t
+        for name, t in load_file(file).items()
+    }
+
+
+def generate_across_a_load(host, rows, old, new) -> tuple:
+    """Runs in the host's process: loads `old` (version 0), generates `rows` in a thread
+    while this thread loads `new` (version 1) after STEPS_BEFORE_LOAD engine steps; then
+    scores the episodes' tokens with `new` and with `old` (loaded again as version 2)."""
+    worker = host.rollout
+    worker.load_weights(0, old)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=worker.generate(rows, 0)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while worker.loop.steps < STEPS_BEFORE_LOAD and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    steps_at_load = worker.loop.steps
+    worker.load_weights(1, new)
+    thread.join(timeout=120)
+    episodes, stats = result["out"]
+    with_new = worker.token_logprobs(episodes)
+    worker.load_weights(2, old)
+    with_old = worker.token_logprobs(episodes)
+    return episodes, stats, steps_at_load, worker.loop.updates_in_flight, with_new, with_old
+
+
+def close(a: list[float], b: list[float]) -> list[bool]:
+    return [abs(x - y) <= TOLERANCE for x, y in zip(a, b, strict=True)]
+
+
+@pytest.fixture(scope="module", params=["recompute", "keep"])
+def across_a_load(rollout_host, request, tmp_path_factory):
+    embedded = Path(resolve_model_path(Config().model.path))
+    path = without_end_of_sequence(embedded, tmp_path_factory.mktemp("model") / embedded.name)
+    rollout = replace(
+        ROLLOUT,
+        in_flight_updates=True,
+        in_flight_kv_cache=request.param,
+        max_new_tokens=TOKENS,
+    )
+    old, new = noisy(path, seed=0), noisy(path, seed=1)
+    with rollout_actor(rollout_host, path, "float32", rollout=rollout) as host:
+        call = host.__ray_call__.remote(generate_across_a_load, ROWS, old, new)
+        yield request.param, ray.get(call, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions(across_a_load):
+    _, (episodes, stats, steps_at_load, updates, _, _) = across_a_load
+    assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
+    assert STEPS_BEFORE_LOAD <= steps_at_load < TOKENS and updates == 1
+    # Every request was running at the load: its first token is version 0's, its last
+    # version 1's; the batch counts from its oldest version.
+    assert all(len(e.completion_token_ids) == TOKENS for e in episodes)
+    assert {(e.policy_version, e.last_policy_version) for e in episodes} == {(0, 1)}
+    assert stats.policy_version == 0 and stats.updated_in_flight == len(episodes)
+
+
+@pytest.mark.slow
+def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys(across_a_load):
+    mode, (episodes, _, steps_at_load, _, with_new, with_old) = across_a_load
+    # One step prefills each prompt and samples its first token; each later step one more.
+    split = steps_at_load
+    for episode, new, old in zip(episodes, with_new, with_old, strict=True):
+        sampled = episode.rollout_logprobs
+        assert all(close(sampled[:split], old[:split])), (mode, episode.episode_id)
+        assert not any(close(sampled[:split], new[:split]))  # the weights do differ
+        if mode == "recompute":  # KV recomputed: exactly the new policy from the load on
+            assert all(close(sampled[split:], new[split:])), episode.episode_id
+        else:  # KV of the old weights kept: later tokens are neither policy's exactly
+            after = sampled[split:]
+            assert not all(close(after, new[split:])) and not all(close(after, old[split:]))
