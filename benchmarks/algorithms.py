@@ -59,16 +59,22 @@ THRESHOLDS = (0.5, 0.6, 0.65)
 
 def run(variant: str, seed: int, steps: int, extra: list[str], out: Path) -> Path:
     """Runs one job unless its summary exists; returns its run directory."""
-    run_dir = out / f"{variant}-seed{seed}"
+    return run_seed(variant, [*VARIANTS[variant], *extra], seed, steps, out)
+
+
+def run_seed(name: str, args: list[str], seed: int, steps: int, out: Path) -> Path:
+    """Runs `jobs/ppo.py ARGS` with the seed and steps into out/NAME-seedSEED unless its
+    summary exists there; returns that run directory."""
+    run_dir = out / f"{name}-seed{seed}"
     if (run_dir / "summary.json").is_file():
         return run_dir
-    args = [*VARIANTS[variant], "--seed", str(seed), "--learner.steps", str(steps), *extra]
+    args = [*args, "--seed", str(seed), "--learner.steps", str(steps)]
     command = [sys.executable, str(REPO / "jobs" / "ppo.py"), *args, "--run-dir", str(run_dir)]
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=7200)
     if result.returncode != 0:
-        raise SystemExit(f"{variant} seed {seed} failed:\n{result.stderr[-3000:]}")
-    print(f"  {variant} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
+        raise SystemExit(f"{name} seed {seed} failed:\n{result.stderr[-3000:]}")
+    print(f"  {name} seed {seed}: {time.perf_counter() - started:.0f} s", flush=True)
     return run_dir
 
 

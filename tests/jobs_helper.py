@@ -53,6 +53,18 @@ def run_job(
     )
 
 
+def run_example(
+    example: str, steps: int, run_dir: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """Returns the finished job of examples/EXAMPLE.yaml for `steps` steps, evaluated at
+    the start and the end, in `run_dir`; fails the caller unless it succeeded."""
+    args = ["--config", str(REPO / "examples" / f"{example}.yaml"), "--learner.steps", str(steps)]
+    args += ["--learner.eval_every", str(steps), "--run-dir", str(run_dir)]
+    result = run_job(args, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def run_jobs_at_once(
     arg_lists: list[list[str]], env: dict[str, str], timeout: float = 600
 ) -> list[subprocess.CompletedProcess]:

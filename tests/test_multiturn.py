@@ -21,7 +21,7 @@ from rlray.core.prompt import PromptRow
 from rlray.data.models import load_tokenizer, resolve_model_path
 from rlray.episodes.reader import read
 from rlray.rollout.multiturn import TurnLimits
-from tests.jobs_helper import REPO, metrics, run_job
+from tests.jobs_helper import REPO, metrics, run_example
 from tests.rollout_host import RolloutHost, rollout_actor
 from tests.test_job import load_policy
 from tests.test_learner import plain_logprobs
@@ -217,10 +217,7 @@ def test_a_slow_environment_does_not_hold_the_other_trajectories(tiny_rollout):
 def calculator_run(job_env, tmp_path_factory):
     """Six steps of the built-in calculator task, as examples/calculator.yaml runs it."""
     run_dir = tmp_path_factory.mktemp("calculator") / "run"
-    args = ["--config", str(REPO / "examples" / "calculator.yaml"), "--learner.steps", "6"]
-    result = run_job([*args, "--learner.eval_every", "6", "--run-dir", str(run_dir)], job_env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir, result
+    return run_dir, run_example("calculator", 6, run_dir, job_env)
 
 
 def test_the_calculator_task_learns_to_call_the_tool(calculator_run):

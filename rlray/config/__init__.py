@@ -6,6 +6,8 @@ from rlray.config.command_line import CommandLine, build_parser, load_yaml_file,
 from rlray.config.schema import (
     BUILTIN_CALCULATOR,
     BUILTIN_CALCULATOR_MODEL,
+    BUILTIN_COUNTDOWN,
+    BUILTIN_COUNTDOWN_MODEL,
     BUILTIN_DATA,
     BUILTIN_MODEL,
     BUILTIN_MULTIPLICATION,
@@ -35,6 +37,8 @@ from rlray.config.schema import (
 __all__ = [
     "BUILTIN_CALCULATOR",
     "BUILTIN_CALCULATOR_MODEL",
+    "BUILTIN_COUNTDOWN",
+    "BUILTIN_COUNTDOWN_MODEL",
     "BUILTIN_DATA",
     "BUILTIN_MODEL",
     "BUILTIN_MULTIPLICATION",

@@ -25,6 +25,9 @@ BUILTIN_DATA = "builtin:arithmetic"
 BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
 BUILTIN_MULTIPLICATION = "builtin:multiplication"
 BUILTIN_CALCULATOR = "builtin:calculator"
+# The long-tail task (rlray.data.tasks.COUNTDOWN; examples/countdown.yaml).
+BUILTIN_COUNTDOWN_MODEL = "builtin:tiny-countdown"
+BUILTIN_COUNTDOWN = "builtin:countdown"
 
 # Every set of choices is defined once, here; --help lists them and parsing checks them.
 Dtype = Literal["float32", "bfloat16"]
@@ -128,7 +131,8 @@ class ModelConfig:
     """Local HF-format causal-LM directory that vLLM supports, a hub name (on machines
     that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
     and warm-started on the arithmetic task on first use, then cached
-    (builtin:tiny-calculator: the same, warm-started on the calculator task)."""
+    (builtin:tiny-calculator: the same, warm-started on the calculator task;
+    builtin:tiny-countdown: with 320 positions, warm-started on the countdown task)."""
     dtype: Dtype = "float32"
     """Compute dtype of rollouts and learner: float32, or bfloat16 (vLLM runs in bfloat16;
     the learner keeps float32 master weights and optimizer state and computes under
@@ -146,11 +150,12 @@ class DataConfig:
 
     train: str = BUILTIN_DATA
     """Training prompts: builtin:arithmetic, builtin:multiplication (two-digit a*b, the
-    calculator task's), or a JSONL file with a "prompt" field per line; other fields
+    calculator task's), builtin:countdown (the long-tail task: "23-5=" answered "18 13
+    08 03"), or a JSONL file with a "prompt" field per line; other fields
     (e.g. "answer") reach the reward functions as columns."""
     eval: str = BUILTIN_DATA
-    """Held-out prompts for greedy evaluation: builtin:arithmetic or
-    builtin:multiplication (pairs disjoint from training) or a JSONL file with "prompt"
+    """Held-out prompts for greedy evaluation: builtin:arithmetic, builtin:multiplication
+    or builtin:countdown (pairs disjoint from training) or a JSONL file with "prompt"
     and "answer" fields. Scored by exact match, or with rollout.environment by the
     environment's reward."""
     eval_size: int = positive(200)

@@ -15,14 +15,23 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlray.config import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL, ConfigError
+from rlray.config import (
+    BUILTIN_CALCULATOR_MODEL,
+    BUILTIN_COUNTDOWN_MODEL,
+    BUILTIN_MODEL,
+    ConfigError,
+)
 from rlray.core.episode import ModelLimits
 from rlray.core.prompt import Prompt
 from rlray.data.cache import cache_dir, write_atomically
 from rlray.data.chat import render_prompt
-from rlray.data.tiny_models import ARITHMETIC, CALCULATOR, tiny_model
+from rlray.data.tiny_models import ARITHMETIC, CALCULATOR, COUNTDOWN_MODEL, tiny_model
 
-BUILTIN_MODELS = {BUILTIN_MODEL: ARITHMETIC, BUILTIN_CALCULATOR_MODEL: CALCULATOR}
+BUILTIN_MODELS = {
+    BUILTIN_MODEL: ARITHMETIC,
+    BUILTIN_CALCULATOR_MODEL: CALCULATOR,
+    BUILTIN_COUNTDOWN_MODEL: COUNTDOWN_MODEL,
+}
 
 
 def resolve_model_path(spec: str) -> str:

@@ -12,10 +12,16 @@ import random
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlray.config import BUILTIN_DATA, BUILTIN_MULTIPLICATION, ConfigError, DataConfig
+from rlray.config import (
+    BUILTIN_COUNTDOWN,
+    BUILTIN_DATA,
+    BUILTIN_MULTIPLICATION,
+    ConfigError,
+    DataConfig,
+)
 from rlray.core.prompt import PromptRow
 from rlray.data.chat import MESSAGES_COLUMN, message_list_problem, prompt_preview
-from rlray.data.tasks import MULTIPLICATION, OperandTask, TaskPrompts, addition
+from rlray.data.tasks import COUNTDOWN, MULTIPLICATION, OperandTask, TaskPrompts, addition
 
 
 class PromptSource(Protocol):
@@ -102,7 +108,11 @@ def _prompt_problem(record: dict[str, Any]) -> str | None:
 def builtin_task(data: DataConfig, name: str, field_name: str) -> OperandTask | None:
     """Returns the built-in task `name` (data.train's or data.eval's), None for a file;
     raises ConfigError naming the field for an unknown built-in."""
-    tasks = {BUILTIN_DATA: addition(data.arithmetic_digits), BUILTIN_MULTIPLICATION: MULTIPLICATION}
+    tasks = {
+        BUILTIN_DATA: addition(data.arithmetic_digits),
+        BUILTIN_MULTIPLICATION: MULTIPLICATION,
+        BUILTIN_COUNTDOWN: COUNTDOWN,
+    }
     if name in tasks:
         return tasks[name]
     if name.startswith("builtin:"):

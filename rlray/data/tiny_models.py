@@ -5,8 +5,9 @@ builtin:tiny-arithmetic is 0.53M parameters (hidden 128, 2 layers, 2 heads of he
 64, which vLLM's CPU attention supports), warm-started briefly on addition by supervised
 learning so that RL starts from a model that is right sometimes but far from always.
 builtin:tiny-calculator is the same architecture warm-started on the calculator task's
-demonstrations (rlray.data.calculator). Each is cached under a key of everything that
-shapes it (its recipe), so only the first run pays.
+demonstrations (rlray.data.calculator); builtin:tiny-countdown the same with a context
+window of 320 positions, warm-started on countdowns (builtin:countdown). Each is cached
+under a key of everything that shapes it (its recipe), so only the first run pays.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from rlray.core.prompt import PromptRow
 from rlray.data.cache import cache_dir, file_lock
 from rlray.data.calculator import demonstration
-from rlray.data.tasks import MULTIPLICATION, TaskPrompts, addition
+from rlray.data.tasks import COUNTDOWN, MULTIPLICATION, TaskPrompts, addition
 
 CHARACTERS = list("0123456789+-*=() ")
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -104,6 +105,24 @@ CALCULATOR = TinyModel(
     },
     lambda: TaskPrompts(MULTIPLICATION, seed=0, held_out=200),
     _calculator_turns,
+)
+COUNTDOWN_MODEL = TinyModel(
+    "tiny-countdown",
+    {
+        "recipe": 1,
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 320,  # "99-1=", 99 numbers and end-of-sequence
+        "warm_start_steps": 300,
+        "warm_start_batch": 64,
+        "warm_start_lr": 1e-3,
+        "seed": 0,
+        "chat_template": 2,
+    },
+    lambda: TaskPrompts(COUNTDOWN, seed=0, held_out=200),
+    _answer,
 )
 
 
