@@ -2,7 +2,7 @@
 pyproject.toml):
 
 - torch, transformers and vLLM are not loaded at import time by any module of the
-  driver's side (core, driver, cluster, episodes, observe): each package is imported
+  driver's side (core, driver, cluster, episodes, observe, agent): each package is imported
   whole in a fresh interpreter, and what it loaded is read from sys.modules;
 - a function-level import has its reason beside it (a comment on its line or the line
   above): a torch-free process, an optional dependency, a child process. Imports that
@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "rlray"
-TORCH_FREE = ("core", "driver", "cluster", "episodes", "observe")
+TORCH_FREE = ("core", "driver", "cluster", "episodes", "observe", "agent")
 HEAVY = ("torch", "transformers", "vllm")
 
 

@@ -50,7 +50,10 @@ def five_step_runs(job_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     runs = {"a": ["--learner.steps", "5"], "resumed": ["--learner.steps", "3"]}
     runs["resumed"] += ["--learner.num_workers", "2", "--rollout.weight_sync", "gloo"]
+    # In-flight updates on: a colocated engine never runs while its learner trains, so
+    # they change nothing (RolloutConfig.in_flight_updates).
     runs["colocated"] = ["--learner.steps", "5", "--ray.placement", "colocated"]
+    runs["colocated"] += ["--rollout.in_flight_updates", "true"]
     results = run_jobs_at_once(
         [[*SHORT_RUN, *args, "--run-dir", str(root / name)] for name, args in runs.items()],
         job_env,
