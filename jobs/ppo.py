@@ -21,7 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
-from rlray.cluster.start import connect, required_cpus, start_actors, start_ingest
+from rlray.cluster.start import (
+    connect,
+    required_cpus,
+    start_actors,
+    start_agent,
+    start_ingest,
+)
 from rlray.config import ConfigError, parse_command_line, validate
 from rlray.driver.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
@@ -86,6 +92,9 @@ def run(plan: RunPlan) -> int:
             timeout_s = config.ray.actor_start_timeout_s
             url = start_ingest(config, actors, plan.model_path, str(plan.run_dir), timeout_s)
             print(f"ingestion endpoint: {url}", flush=True)
+        if config.agent.enabled:
+            url = start_agent(config, actors, plan.model_path, plan.run_id)
+            print(f"agent endpoint: {url}", flush=True)
     except ActorFailure as err:
         print(f"ppo.py: error: {err}", file=sys.stderr)
         return 1
@@ -108,6 +117,7 @@ def run(plan: RunPlan) -> int:
         return 130
     finally:
         stored = driver.close_store()  # every scored episode written (or spooled)
+        driver.close_agents()  # agents asking for a task now hear the run is done
         log.close()
         actors.kill()
         if summary is None:

@@ -49,6 +49,9 @@ class RolloutHost:
     def generate(self, *args: Any) -> Any:
         return self.rollout.generate(*args)
 
+    def complete(self, *args: Any) -> Any:
+        return self.rollout.complete(*args)
+
     def load_published(self, published: Any) -> tuple[int, float]:
         # Ray resolved the object reference for this call, as it does for an actor's.
         return self.rollout.load_published(published)

@@ -33,6 +33,16 @@ def test_add_without_reservation_is_refused():
         buffer.add(batch(0))
 
 
+def test_an_agent_batch_may_hold_more_episodes_than_its_traces_reserved():
+    buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
+    assert buffer.reserve(4)
+    buffer.add(batch(0, size=7, batch_id=0), reserved=4)  # 4 traces, 7 model calls
+    assert buffer.stats()["buffer_reserved"] == 0
+    assert not buffer.reserve(2)  # 7 held: no room for 2 until the learner takes them
+    assert [b.batch_id for b in buffer.take(4, learner_version=0).batches] == [0]
+    assert buffer.reserve(8)
+
+
 def test_a_batch_thinned_by_dynamic_sampling_gives_back_its_whole_reservation():
     buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
     assert buffer.reserve(4) and buffer.reserve(4)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlray.rollout.environments import parse_tool_calls
+from rlray.rollout.sampling import Generated
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Fields the openai client may send that change nothing here (accepted, not used).
@@ -70,19 +71,6 @@ class CompletionRequest:
     model: str
     sampling: Sampling
     stream: bool = False
-
-
-@dataclass(frozen=True)
-class Generated:
-    """One sampled completion, exactly as the engine made it."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
-    """stop or length, as vLLM says."""
-    tokens: list[str] = field(default_factory=list)
-    """Each token's text, for the response's logprobs (empty: not asked for)."""
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The Ray faces of the rollout, reward, buffer, store and ingestion roles.
+"""The Ray faces of the rollout, reward, buffer, store, ingestion and agent roles.
 
 `RolloutWorker`, `RewardWorker`, `EpisodeBuffer`, `EpisodeStore` and the ingestion
 service are plain classes; each face here adds only what needs Ray: fetching episode
@@ -9,19 +9,22 @@ starts them as named actors; the learners' faces are in rlray.cluster.learners.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from rlray.agent.gateway import AgentGateway, CallLimits, EndpointBusy
+from rlray.agent.openai_api import Sampling
 from rlray.cluster.calls import ActorRestarted, _restarted, resolve_episodes
 from rlray.cluster.serving import EndpointUnavailable, ThreadedServer, remote_result
 from rlray.cluster.telemetry import Telemetry
-from rlray.config import IngestConfig, StoreConfig
+from rlray.config import AgentConfig, IngestConfig, StoreConfig
 from rlray.core.episode import Episode, ModelLimits
 from rlray.core.evaluation import EvalEpisodes
 from rlray.core.prompt import PromptRow
-from rlray.core.stats import EvalResult, ScoreStats, StoreStats
+from rlray.core.stats import EvalResult, GenerateStats, ScoreStats, StoreStats
 from rlray.data.models import load_tokenizer
 from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.episodes.ingest import (
@@ -35,6 +38,7 @@ from rlray.episodes.ingest import (
 from rlray.episodes.store import mark_trained, open_store
 from rlray.observe.console import send_engine_output_to
 from rlray.rewards.worker import RewardWorker
+from rlray.rollout.sampling import Generated
 from rlray.rollout.worker import RolloutWorker
 
 if TYPE_CHECKING:
@@ -72,6 +76,10 @@ class RolloutActor(RolloutWorker):
         )
         self.telemetry.add("rlray_episodes_generated", stats.episodes)
         return episodes, stats
+
+    def complete(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_weights()
+        return super().complete(*args, **kwargs)
 
     def eval_episodes(
         self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
@@ -298,3 +306,72 @@ async def _needed(ref: Any) -> Any:
         return await remote_result(ref)
     except EndpointUnavailable as err:
         raise IngestError(503, f"{err}; retry") from None
+
+
+class AgentActor:
+    """The agent endpoint (rlray.agent.gateway) as an endpoint actor
+    (rlray.cluster.serving): it hands out a batch's tasks, serves their model calls on
+    the batch's rollout worker (`RolloutWorker.complete`) and returns the traces'
+    episodes, which go from here to a reward actor through the object store. Traces in
+    progress live in this process: if it dies, their batches are made again."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        token: str,
+        model_path: str,
+        workers: list[Any],
+        worker_names: list[str],
+        limits: CallLimits,
+        run_id: str,
+    ):
+        self.workers = workers
+        self.gateway = AgentGateway(
+            token,
+            load_tokenizer(model_path),
+            limits,
+            self._generate,
+            run_id,
+            worker_names,
+            config.trace_timeout_s,
+            config.task_wait_s,
+            config.max_concurrent_calls,
+        )
+        app = self.gateway.app(config.max_body_bytes)
+        self.server = ThreadedServer(app, config.host, config.port)
+        host = self.server.host
+        if host in ("0.0.0.0", "::"):  # every address: agents reach this node's
+            host = ray.util.get_node_ip_address()
+        self.gateway.url = f"http://{host}:{self.server.port}"
+
+    def url(self) -> str:
+        """Returns the endpoint's URL (it serves from the constructor on)."""
+        return self.gateway.url
+
+    def run_batch(
+        self, rows: list[PromptRow], first_prompt_index: int, samples: int, worker: int
+    ) -> tuple[list[Episode], GenerateStats]:
+        """Hands out one trace per row and sample; returns their episodes once every
+        trace ended or was dropped (AgentGateway.run_batch)."""
+        batch = self.gateway.run_batch(rows, first_prompt_index, samples, worker)
+        return asyncio.run_coroutine_threadsafe(batch, self.server.loop).result()
+
+    def close(self) -> None:
+        """The run needs no more traces: agents asking for one get 204."""
+        self.server.loop.call_soon_threadsafe(self.gateway.close)
+
+    async def _generate(
+        self, worker: int, token_ids: list[int], sampling: Sampling, max_tokens: int
+    ) -> list[Generated]:
+        call = self.workers[worker].complete.remote(
+            token_ids,
+            sampling.n,
+            sampling.temperature,
+            max_tokens,
+            list(sampling.stop),
+            sampling.logprobs,
+        )
+        try:
+            return await remote_result(call)
+        except EndpointUnavailable as err:
+            raise EndpointBusy(str(err)) from None

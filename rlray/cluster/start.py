@@ -18,14 +18,22 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlray.agent.gateway import CallLimits
 from rlray.cluster import local_ray_watchdog
 from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.colocated import ColocatedActor
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, colocated_resources, role_resources
-from rlray.cluster.roles import BufferActor, IngestActor, RewardActor, RolloutActor, StoreActor
+from rlray.cluster.roles import (
+    AgentActor,
+    BufferActor,
+    IngestActor,
+    RewardActor,
+    RolloutActor,
+    StoreActor,
+)
 from rlray.cluster.serving import endpoint_options
-from rlray.config import Config, ingest_token, weight_sync
+from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
@@ -44,6 +52,8 @@ class Actors:
     buffer: Any = None
     learner: LearnerGroup | None = None
     ingest: Any = None
+    agent: Any = None
+    """The agent endpoint (agent.enabled): rollout batches are made through it."""
     placement: Placement | None = None
 
     def handle(self, name: str) -> Any:
@@ -58,6 +68,7 @@ class Actors:
     def all(self) -> list[tuple[str, Any]]:
         """Returns (name, handle) of every actor."""
         singles = [("store", self.store), ("buffer", self.buffer), ("ingest", self.ingest)]
+        singles.append(("agent", self.agent))
         learners = self.learner or LearnerGroup([])
         return [
             *zip(self.rollout_names, self.rollout, strict=True),
@@ -254,6 +265,9 @@ def _start_rollout_workers(
     version = checkpoint_version(checkpoint) if checkpoint else 0
     env = {"env_vars": vllm_env(config.rollout)}
     rollout = replace(config.rollout, weight_sync=weight_sync(config))
+    if config.agent.enabled:
+        # Agents' calls run across weight loads, as requests do with in-flight updates.
+        rollout = replace(rollout, in_flight_updates=True)
     return [
         ray.remote(RolloutActor)
         .options(
@@ -262,7 +276,7 @@ def _start_rollout_workers(
             max_restarts=config.ray.max_actor_restarts,
             # In-flight weight updates: a load (or a second batch) runs while a batch
             # generates, each call in a thread of its own (rlray.rollout.engine_loop).
-            max_concurrency=3 if config.rollout.in_flight_updates else 1,
+            max_concurrency=_rollout_concurrency(config),
             **placement.actor_options("rollout", i),
         )
         .remote(
@@ -278,6 +292,15 @@ def _start_rollout_workers(
         )
         for i, name in enumerate(names)
     ]
+
+
+def _rollout_concurrency(config: Config) -> int:
+    """Returns how many calls a rollout actor runs at once: agents' model calls (and a
+    weight load and an evaluation beside them), two batches and a load with in-flight
+    updates, else one at a time."""
+    if config.agent.enabled:
+        return config.agent.max_concurrent_calls + 2
+    return 3 if config.rollout.in_flight_updates else 1
 
 
 def _start_colocated(
@@ -463,3 +486,32 @@ def start_ingest(
         )
     )
     return wait_for(actors.ingest.url.remote(), "ingest", "start-up", timeout_s)
+
+
+def start_agent(config: Config, actors: Actors, model_path: str, run_id: str) -> str:
+    """Starts the agent endpoint as the `agent` endpoint actor, serving the rollout
+    workers' engines; returns its URL."""
+    limits = CallLimits(
+        max_model_len=config.model.max_model_len,
+        max_new_tokens=config.rollout.max_new_tokens,
+        trace_tokens=config.rollout.turn_budget,
+        max_calls=config.agent.max_calls_per_trace,
+    )
+    options = endpoint_options("agent", max_concurrency=config.agent.max_concurrent_calls + 8)
+    options["max_restarts"] = 0  # traces in progress live in its process
+    actors.agent = (
+        ray.remote(AgentActor)
+        .options(**options)
+        .remote(
+            config.agent,
+            agent_token(config.agent),
+            model_path,
+            actors.rollout,
+            actors.rollout_names,
+            limits,
+            run_id,
+        )
+    )
+    return wait_for(
+        actors.agent.url.remote(), "agent", "start-up", config.ray.actor_start_timeout_s
+    )

@@ -21,6 +21,7 @@ from rlray.config.schema import (
     ConfigError,
     Range,
     RewardSpec,
+    agent_token,
     eval_rewards,
     field_types,
     ingest_token,
@@ -248,6 +249,27 @@ def _ingest(config: Config) -> None:
         )
 
 
+def _agent(config: Config) -> None:
+    agent = config.agent
+    if not agent.enabled:
+        return
+    if not agent_token(agent):
+        raise ConfigError(
+            "agent.token: the agent endpoint needs a bearer token (agent.token or "
+            "RLRAY_AGENT_TOKEN); agents send it as the openai client's api_key"
+        )
+    if config.rollout.environment:
+        raise ConfigError(
+            "agent.enabled: agents drive their own turns; rollout.environment "
+            f"({config.rollout.environment}) must be empty"
+        )
+    if config.ray.placement == "colocated":
+        raise ConfigError(
+            "agent.enabled: the agent endpoint needs disaggregated placement "
+            "(ray.placement: a colocated engine serves one call at a time)"
+        )
+
+
 def _rewards(config: Config) -> None:
     if not config.reward.functions:
         raise ConfigError("reward.functions must name at least one reward")
@@ -295,6 +317,7 @@ RULES: tuple[Callable[[Config], None], ...] = (
     _rollout,
     _batch_sizes,
     _ingest,
+    _agent,
     _rewards,
     _evaluation,
 )

@@ -540,6 +540,38 @@ class IngestConfig:
 
 
 @dataclass
+class AgentConfig:
+    """The agent endpoint: an OpenAI-compatible API onto the policy. Agents written with
+    the `openai` client take tasks from it, call the policy at their trace's base URL
+    and post a reward; every call's exact tokens become episodes (docs/agents.md)."""
+
+    enabled: bool = False
+    """Serve the endpoint; rollout batches are then made by agents through it instead
+    of by the rollout workers' own generate loop."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = field(default=0, metadata={"range": Range(0, high=65535)})
+    """Port to listen on; 0 picks a free one (the job prints the URL)."""
+    token: str = ""
+    """Bearer token every request must send (the openai client's api_key); empty: the
+    RLRAY_AGENT_TOKEN environment variable. Required. Never written to the run directory."""
+    trace_timeout_s: float = positive(300.0)
+    """A trace not ended (by its reward) this long after its task was handed out is
+    dropped and counted, never trained on half-done."""
+    task_wait_s: float = positive(30.0)
+    """How long GET /v1/tasks/next waits for work before answering 503 (retry)."""
+    max_calls_per_trace: int = positive(32)
+    """Model calls one trace may make; more get 400."""
+    max_body_bytes: int = positive(1_048_576)
+    """Largest request body; bigger ones get 413."""
+    max_concurrent_calls: int = positive(64)
+    """Model calls served at once; a rollout worker runs up to this many in its engine."""
+    train: bool = True
+    """Train on the traces; false is collect-only (jobs/collect.py): the endpoint serves
+    the current policy and the store keeps what it served."""
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking besides TensorBoard."""
 
@@ -602,6 +634,7 @@ class Config:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -620,7 +653,7 @@ class Config:
 
 # Fields that hold secrets: never written to config.yaml, trackers or logs. A resumed
 # run reads them from the environment or the command line again.
-SECRET_FIELDS = (("ingest", "token"),)
+SECRET_FIELDS = (("ingest", "token"), ("agent", "token"))
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -648,6 +681,12 @@ def weight_sync(config: Config) -> str:
 def eval_rewards(config: Config) -> list[RewardSpec]:
     """Returns the reward components held-out evaluation scores with."""
     return config.eval.rewards or config.reward.functions
+
+
+def agent_token(config: AgentConfig) -> str:
+    """Returns the agent endpoint's bearer token: agent.token, else the
+    RLRAY_AGENT_TOKEN environment variable ("" for none)."""
+    return config.token or os.environ.get("RLRAY_AGENT_TOKEN", "")
 
 
 def ingest_token(config: IngestConfig) -> str:

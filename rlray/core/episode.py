@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 _TIMESTAMP = pa.timestamp("us", tz="UTC")
-SPAN_KINDS = ("model_call", "tool_call", "reward")
+SPAN_KINDS = ("model_call", "tool_call", "reward", "event")
 
 # One struct for every kind of step; the fields a kind does not use stay null.
 SPAN_TYPE = pa.struct(
@@ -70,11 +70,12 @@ EPISODE_SCHEMA = pa.schema(
 
 @dataclass
 class Span:
-    """One timestamped step of a multi-step trace: a model call (input, output), a tool
-    call (name, arguments, result or error) or a reward (value, source)."""
+    """One timestamped step of a multi-step trace: a model call (input, output; name: the
+    agent's role), a tool call (name, arguments, result or error), a reward (value,
+    source) or an event an agent posted (name, output: its detail, value)."""
 
     kind: str
-    """model_call, tool_call or reward."""
+    """model_call, tool_call, reward or event."""
     started_at: float
     """Unix seconds."""
     ended_at: float | None = None

@@ -79,6 +79,8 @@ class GenerateStats:
     updated_in_flight: int = 0
     """Episodes whose tokens came from more than one policy version (a weight sync
     while they were generated: rollout.in_flight_updates)."""
+    traces_dropped: int = 0
+    """Agent traces that never ended within agent.trace_timeout_s (rlray.agent)."""
 
 
 @dataclass

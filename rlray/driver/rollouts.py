@@ -73,9 +73,12 @@ class RolloutTally:
     tool_errors: int = 0
     updated_in_flight: int = 0
     """Episodes generated across a weight sync (rollout.in_flight_updates)."""
+    traces_dropped: int = 0
+    """Agent traces dropped after agent.trace_timeout_s."""
 
     def generated(self, stats: GenerateStats) -> None:
         self.completion_tokens += stats.completion_tokens
+        self.traces_dropped += stats.traces_dropped
         self.updated_in_flight += stats.updated_in_flight
         self.tool_calls += stats.tool_calls
         self.tool_errors += stats.tool_errors
@@ -156,11 +159,19 @@ class Rollouts:
         self._generate(item)
 
     def _generate(self, item: InFlight) -> None:
-        """Starts (or starts again) the generation of a batch, then its scoring."""
-        worker = self.actors.rollout[item.worker_index]
-        item.generated_episodes, item.generate_stats = worker.generate.options(
-            num_returns=2
-        ).remote(item.rows, item.first_prompt_index)
+        """Starts (or starts again) the generation of a batch, then its scoring. With the
+        agent endpoint, agents make it: one trace per prompt and sample, whose model calls
+        the batch's rollout worker serves."""
+        if self.actors.agent is not None:
+            samples = item.num_episodes // len(item.rows)
+            item.generated_episodes, item.generate_stats = self.actors.agent.run_batch.options(
+                num_returns=2
+            ).remote(item.rows, item.first_prompt_index, samples, item.worker_index)
+        else:
+            worker = self.actors.rollout[item.worker_index]
+            item.generated_episodes, item.generate_stats = worker.generate.options(
+                num_returns=2
+            ).remote(item.rows, item.first_prompt_index)
         item.generated = None
         self._score(item)
 

@@ -131,7 +131,7 @@ class TrainingDriver:
             batch_id=self.next_batch_id,
         )
         self.next_batch_id += 1
-        reserved = item.generated.episodes
+        reserved = item.num_episodes  # an agent trace may make more episodes, or none
         self.buffer_call(lambda: self.actors.buffer.add.remote(batch, reserved), "add")
         self.reserved_episodes -= reserved
         if batch.num_episodes:
@@ -193,6 +193,7 @@ class TrainingDriver:
             "dropped_uniform_episodes": tally.uniform_episodes,
             "worker_policy_versions": tally.per_worker_version,
             "episodes_updated_in_flight": tally.updated_in_flight,
+            "agent_traces_dropped": tally.traces_dropped,
             "tool_calls": tally.tool_calls,
             "tool_call_success_rate": tally.tool_call_success_rate(),
             "actor_restarts": self.recovery.count_restarts(),
@@ -249,6 +250,14 @@ class TrainingDriver:
             self.store.write([b.ref for b in leftovers], trained_at=None)
             self.buffered.clear()
         self.store.confirm(block=True)
+
+    def close_agents(self) -> None:
+        """Tells the agent endpoint, if any, that the run needs no more traces."""
+        if self.actors.agent is not None:
+            try:
+                self.recovery.call("agent", self.actors.agent.close.remote(), "close")
+            except ActorFailure as err:
+                logger.warning("the agent endpoint did not close: %s", err)
 
     def close_store(self) -> StoreStats | None:
         """Sends every episode not yet stored to the store, closes it (writing its

@@ -59,9 +59,11 @@ class EpisodeBuffer:
     def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
         """Appends a batch whose room was reserved and gives back the whole reservation
         (`reserved` episodes, default the batch's size: dynamic sampling may leave fewer,
-        or none, of a reserved batch); raises if too little was reserved."""
+        or none, of a reserved batch; agents' traces, one reserved each, may make more,
+        a model call each, and the buffer then holds more than its capacity until the
+        learner's next step); raises if more was given back than reserved."""
         reserved = batch.num_episodes if reserved is None else reserved
-        if self.reserved_episodes < reserved or reserved < batch.num_episodes:
+        if self.reserved_episodes < reserved:
             raise OverflowError(
                 f"add of {batch.num_episodes} episodes against a reservation of {reserved} "
                 f"({self.reserved_episodes} reserved in all)"

@@ -106,8 +106,12 @@ def format_trace(episode: Episode) -> str:
 def _span_line(span: Span) -> str:
     took = f"{span.ended_at - span.started_at:6.3f} s" if span.ended_at is not None else " " * 8
     if span.kind == "model_call":
-        return f"model_call {took}  {span.output!r}"
+        role = f"{span.name}: " if span.name else ""
+        return f"model_call {took}  {role}{span.output!r}"
     if span.kind == "tool_call":
         outcome = f"error: {span.error}" if span.error is not None else repr(span.result)
         return f"tool_call  {took}  {span.name} {span.arguments} -> {outcome}"
+    if span.kind == "event":
+        value = "" if span.value is None else f" = {span.value}"
+        return f"event      {span.name} {span.output!r}{value}"
     return f"reward     {span.source}: {span.value}"

@@ -59,11 +59,13 @@ class RewardWorker:
 
     def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
         """Returns the episodes with rewards set (weights as scheduled at learner `step`)
-        and a stats record."""
+        and a stats record. An episode that comes with a reward (an agent posted it,
+        rlray.agent) keeps it."""
         started = time.perf_counter()
         failures = dict.fromkeys((spec.name for spec in self.specs), 0)
-        for start in range(0, len(episodes), self.batch_size):
-            chunk = episodes[start : start + self.batch_size]
+        unscored = [e for e in episodes if e.reward is None]
+        for start in range(0, len(unscored), self.batch_size):
+            chunk = unscored[start : start + self.batch_size]
             for index, spec in enumerate(self.specs):
                 scores = self._component_scores(index, chunk)
                 for episode, value, error in zip(chunk, scores.values, scores.errors, strict=True):
@@ -72,7 +74,7 @@ class RewardWorker:
                         failures[spec.name] += 1
                         self._log_first(spec.name, episode.episode_id, error)
         now = time.time()
-        dropped = sum(self._set_total(e, step, failures) for e in episodes)
+        dropped = sum(self._set_total(e, step, failures) for e in unscored)
         for episode in episodes:
             episode.scored_at = now
         total = sum(e.reward for e in episodes if e.reward is not None)

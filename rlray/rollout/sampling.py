@@ -1,6 +1,9 @@
-"""What every vLLM request of a run shares: its seed and its stop settings."""
+"""What every vLLM request of a run shares (its seed, its stop settings), and what one
+sampled call gives back."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from rlray.config import RolloutConfig
 
@@ -19,3 +22,21 @@ def sampling_seed(run_seed: int, prompt_index: int, sample_index: int, turn: int
     and each turn of a trajectory draws anew."""
     seed = run_seed * 1_000_003 + prompt_index * 131 + sample_index + TURN_SEED_STRIDE * turn
     return seed % (2**31 - 1)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One sampled completion, exactly as the engine made it (an agent's model call)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """The engine's logprob of each sampled token (after temperature)."""
+    text: str
+    finish_reason: str
+    """stop or length, as vLLM says."""
+    tokens: list[str] = field(default_factory=list)
+    """Each token's text, for a response's logprobs (empty: not asked for)."""
+    first_version: int = 0
+    """The policy version of the call's first engine step."""
+    last_version: int = 0
+    """The policy version of its last step (newer if weights were loaded meanwhile)."""

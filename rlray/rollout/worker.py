@@ -31,7 +31,7 @@ from rlray.rollout.multiturn import (
     tool_calls,
     turn_limits,
 )
-from rlray.rollout.sampling import sampling_seed, stop_settings
+from rlray.rollout.sampling import Generated, sampling_seed, stop_settings
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
 VLLM_ENV = {
@@ -273,6 +273,55 @@ class RolloutWorker:
             self._episode(row, text, index, sample, output, versions, now, attempt)
             for (row, text, index, sample), (output, versions) in zip(keys, outputs, strict=True)
         ]
+
+    def complete(
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop: list[str],
+        token_texts: bool = False,
+    ) -> list[Generated]:
+        """Samples `n` completions of one prompt given as token ids (an agent's model call,
+        rlray.agent): the exact ids and logprobs vLLM sampled, the text, and the policy
+        versions of the call's first and last steps. The run's stop settings apply too."""
+        # as in __init__
+        from vllm import SamplingParams
+
+        settings = stop_settings(self.rollout)
+        params = SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            logprobs=0,
+            stop=settings["stop"] + list(stop),
+            stop_token_ids=settings["stop_token_ids"],
+        )
+        request_id = f"call-{uuid.uuid4().hex[:12]}"
+        (output, versions), *_ = self.loop.generate(
+            [(request_id, {"prompt_token_ids": prompt_token_ids}, params)]
+        )
+        return [self._generated(c, versions, token_texts) for c in output.outputs]
+
+    def _generated(self, completion: Any, versions: Versions, token_texts: bool) -> Generated:
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
+        ]
+        tokens = []
+        if token_texts:
+            with self.tokenizer_lock:
+                tokens = [self.tokenizer.decode([t]) for t in token_ids]
+        return Generated(
+            token_ids,
+            logprobs,
+            completion.text,
+            completion.finish_reason or "length",
+            tokens,
+            versions.first,
+            versions.last,
+        )
 
     def render(self, row: PromptRow) -> RenderedPrompt:
         """Returns the row's prompt as the model reads it: vLLM is given its token ids,
