@@ -4,10 +4,14 @@ prompt set, every scored episode written to the episode store.
     python jobs/collect.py --prompts 512                       # built-in task, tiny model
     python jobs/collect.py --model path/to/model --data.train prompts.jsonl   # one pass
     python jobs/collect.py --prompts 1000 --store.path s3://bucket/datasets/run1
+    python jobs/collect.py --held-out --agent.enabled true --model.path runs/x/checkpoints/...
 
 Takes the same config fields as jobs/ppo.py (the ppo, learner and buffer ones are
 ignored), and recovers from a dead rollout, reward or store actor as jobs/ppo.py does.
-For datasets, baselines and evaluation.
+For datasets, baselines and evaluation. `--held-out` collects the held-out prompts
+(data.eval, or the built-in task's held-out set) once each. With `--agent.enabled true`
+the episodes are agents' traces (docs/agents.md): the endpoint serves the model to them,
+and the store keeps what it served (the collect-only mode of agent.train false).
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
-from rlray.cluster.start import connect, start_actors
+from rlray.cluster.start import connect, start_actors, start_agent
 from rlray.config import ConfigError, parse_command_line, validate
 from rlray.data.prompts import FilePrompts
 from rlray.driver.collecting import CollectDriver
@@ -31,10 +35,12 @@ from rlray.driver.plan import RunPlan, plan_run, write_config
 def main(argv: list[str]) -> int:
     # 1. Config, checked before any actor starts.
     try:
-        prompt_count, rest = parse_prompt_count(argv)
+        prompt_count, held_out, rest = parse_prompt_count(argv)
         command = parse_command_line(rest)
         validate(command.config)
         plan = plan_run(command.config, resume_dir=None)
+        if held_out:
+            plan = replace(plan, prompts=FilePrompts(plan.eval_rows, seed=0, shuffle=False))
         prompt_count = prompt_count or one_pass(plan)
         write_config(plan)
     except ConfigError as err:
@@ -48,6 +54,9 @@ def main(argv: list[str]) -> int:
     print(f"run directory: {plan.run_dir}", flush=True)
     try:
         actors = start_actors(config, plan.model_path, plan.run_id, train=False)
+        if config.agent.enabled:
+            url = start_agent(config, actors, plan.model_path, plan.run_id)
+            print(f"agent endpoint: {url}", flush=True)
     except ActorFailure as err:
         print(f"collect.py: error: {err}", file=sys.stderr)
         return 1
@@ -64,6 +73,7 @@ def main(argv: list[str]) -> int:
         return 130
     finally:
         stored = driver.close_store()  # every scored episode written (or spooled)
+        actors.close_agent(config.ray.call_timeout_s)  # agents hear the run is done
         actors.kill()
     summary.episodes_stored = stored.episodes_written if stored else None
     (plan.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
@@ -75,16 +85,18 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def parse_prompt_count(argv: list[str]) -> tuple[int | None, list[str]]:
-    """Returns (--prompts N or None, the other arguments)."""
+def parse_prompt_count(argv: list[str]) -> tuple[int | None, bool, list[str]]:
+    """Returns (--prompts N or None, --held-out, the other arguments)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--held-out", action="store_true")
     known, rest = parser.parse_known_args(argv)
     if known.prompts is not None and known.prompts <= 0:
         raise ConfigError(f"--prompts must be > 0, got {known.prompts}")
     if "--help" in rest or "-h" in rest:
         print("collect.py --prompts N: how many prompts (default: one pass over data.train)")
-    return known.prompts, rest
+        print("collect.py --held-out: the held-out prompts instead, once each")
+    return known.prompts, known.held_out, rest
 
 
 def one_pass(plan: RunPlan) -> int:

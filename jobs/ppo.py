@@ -52,6 +52,10 @@ def start(argv: list[str]) -> int:
     try:
         command = parse_command_line(argv)
         validate(command.config)
+        if command.config.agent.enabled and not command.config.agent.train:
+            raise ConfigError(
+                "agent.train: false is collect-only; run jobs/collect.py --agent.enabled true"
+            )
         plan = plan_run(command.config, command.resume_dir)
         write_config(plan)
     except ConfigError as err:
@@ -117,7 +121,7 @@ def run(plan: RunPlan) -> int:
         return 130
     finally:
         stored = driver.close_store()  # every scored episode written (or spooled)
-        driver.close_agents()  # agents asking for a task now hear the run is done
+        actors.close_agent(config.ray.call_timeout_s)  # agents hear the run is done
         log.close()
         actors.kill()
         if summary is None:

@@ -41,6 +41,21 @@ def test_split_groups_are_refused_and_posted_episodes_are_not_checked():
         check_whole_groups([*whole, episode(0, 4, 1.0)], samples_per_prompt=4)
 
 
+def test_an_agent_trace_is_one_sample_however_many_episodes_and_may_be_missing():
+    def call(prompt_index: int, sample: int, prompt: str) -> Episode:
+        made = episode(prompt_index, sample, 1.0, prompt)
+        made.columns["trace_id"] = f"t{prompt_index}-{sample}"
+        return made
+
+    # prompt 0: sample 0's trace made a solver and a checker call (two prompts); sample
+    # 1's and 2's one call each; sample 3's trace was dropped (never ended)
+    traces = [call(0, 0, "solve"), call(0, 0, "check"), call(0, 1, "solve"), call(0, 2, "s")]
+    assert group_indexes(traces) == [0, 0, 0, 0]  # one group, whatever each call's prompt
+    check_whole_groups(traces, samples_per_prompt=4)
+    with pytest.raises(ValueError, match="with 5 of its 4"):
+        check_whole_groups([*traces, call(0, 3, "s"), call(0, 4, "s")], samples_per_prompt=4)
+
+
 def test_uniform_groups_are_split_off_whole():
     mixed = [episode(0, 0, 1.0), episode(0, 1, 0.0), episode(0, 2, None)]
     all_right = [episode(1, 0, 1.0), episode(1, 1, 1.0), episode(1, 2, None)]

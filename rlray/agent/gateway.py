@@ -128,6 +128,8 @@ class AgentGateway:
         """How the last ENDED_KEPT traces ended, by id: a late call on one is told so."""
         self.task_ready = asyncio.Event()
         self.closed = False
+        self.waiting = 0
+        """Requests waiting in tasks/next (close() answers them before it returns)."""
         self.counts = {"handed_out": 0, "ended": 0, "dropped": 0, "calls": 0, "refused": 0}
 
     # ---------------------------------------------------------------- the run's side
@@ -178,10 +180,14 @@ class AgentGateway:
         )
         return episodes, stats
 
-    def close(self) -> None:
-        """The run needs no more traces: tasks/next answers 204 from now on."""
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """The run needs no more traces: tasks/next answers 204 from now on. Returns once
+        every agent that was waiting for a task has been answered (or after timeout_s)."""
         self.closed = True
         self.task_ready.set()
+        deadline = time.monotonic() + timeout_s
+        while self.waiting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -256,15 +262,19 @@ class AgentGateway:
     async def _next_task(self, request: web.Request) -> web.Response:
         """Hands out the next queued trace, waiting up to agent.task_wait_s for one."""
         deadline = time.monotonic() + self.task_wait_s
-        while not self.queue and not self.closed:
-            self.task_ready.clear()
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(self.task_ready.wait(), max(left, 0))
-            except TimeoutError:
-                raise EndpointBusy("no task yet; ask again") from None
-        if self.closed:
-            return web.Response(status=204)
+        self.waiting += 1
+        try:
+            while not self.queue and not self.closed:
+                self.task_ready.clear()
+                left = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(self.task_ready.wait(), max(left, 0))
+                except TimeoutError:
+                    raise EndpointBusy("no task yet; ask again") from None
+            if self.closed:
+                return await _sent(request, web.Response(status=204))
+        finally:
+            self.waiting -= 1
         trace = self.queue.popleft()
         trace.handed_out_at = time.time()
         asyncio.get_running_loop().call_later(self.trace_timeout_s, self._expire, trace)
@@ -446,6 +456,13 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "code": status}}
     return web.json_response(body, status=status, headers=headers)
+
+
+async def _sent(request: web.Request, response: web.Response) -> web.Response:
+    """Sends a response before the handler returns (so that close() knows it left)."""
+    await response.prepare(request)
+    await response.write_eof()
+    return response
 
 
 async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:

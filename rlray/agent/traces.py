@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlray.core.episode import Episode, Span
+from rlray.core.groups import AGENT_TRACE_COLUMN
 from rlray.core.prompt import PromptRow
 from rlray.data.chat import episode_columns
 from rlray.rollout.sampling import Generated
 
-TRACE_COLUMN = "trace_id"
+TRACE_COLUMN = AGENT_TRACE_COLUMN
 ROLE_COLUMN = "agent_role"
 
 

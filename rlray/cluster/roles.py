@@ -356,9 +356,11 @@ class AgentActor:
         batch = self.gateway.run_batch(rows, first_prompt_index, samples, worker)
         return asyncio.run_coroutine_threadsafe(batch, self.server.loop).result()
 
-    def close(self) -> None:
-        """The run needs no more traces: agents asking for one get 204."""
-        self.server.loop.call_soon_threadsafe(self.gateway.close)
+    def close(self, timeout_s: float = 10.0) -> None:
+        """The run needs no more traces: agents asking for one get 204 (those waiting
+        for one have, when this returns)."""
+        closed = asyncio.run_coroutine_threadsafe(self.gateway.close(timeout_s), self.server.loop)
+        closed.result(timeout_s + 5)
 
     async def _generate(
         self, worker: int, token_ids: list[int], sampling: Sampling, max_tokens: int

@@ -38,6 +38,8 @@ from rlray.core.checkpoints import checkpoint_version
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Actors:
@@ -81,6 +83,16 @@ class Actors:
         """Returns how many times Ray restarted each actor, by name: Ray's own record
         (its control store's), so one death is one restart however many calls it failed."""
         return {name: restart_count(handle) for name, handle in self.all()}
+
+    def close_agent(self, timeout_s: float) -> None:
+        """Tells the agent endpoint, if any, that the run needs no more traces, and waits
+        until the agents waiting for a task heard it (before kill() takes it away)."""
+        if self.agent is None:
+            return
+        try:
+            wait_for(self.agent.close.remote(), "agent", "close", timeout_s)
+        except ActorFailure as err:
+            logger.warning("agents waiting for a task may not have heard the run ended: %s", err)
 
     def kill(self) -> None:
         """Stops every actor (their names become free for the next run) and gives their

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from rlray.core.episode import Episode
 
+AGENT_TRACE_COLUMN = "trace_id"
+"""The column of an agent trace's episodes (rlray.agent): one sample of its prompt,
+however many model calls, so however many episodes, it made."""
+
 
 def group_key(episode: Episode) -> tuple[int, str]:
-    """Returns what the samples of one prompt share: this run's prompt index, or for
-    posted episodes (prompt index -1) the prompt text."""
-    return episode.prompt_index, episode.prompt
+    """Returns what the samples of one prompt share: this run's prompt index (an agent
+    trace's episodes start from different prompts: its roles'), or for posted episodes
+    (prompt index -1) the prompt text."""
+    return episode.prompt_index, episode.prompt if episode.prompt_index < 0 else ""
 
 
 def group_indexes(episodes: list[Episode]) -> list[int]:
@@ -25,13 +30,22 @@ def group_indexes(episodes: list[Episode]) -> list[int]:
 
 def check_whole_groups(episodes: list[Episode], samples_per_prompt: int) -> None:
     """Raises ValueError if a prompt of this run reached the learner with some of its
-    samples missing or doubled: a group split across steps biases every group estimator."""
-    counts: dict[int, int] = {}
+    samples missing or doubled: a group split across steps biases every group estimator.
+    A sample is a sample index (an agent trace's episodes are one sample); agents' groups
+    may have fewer (a trace never ended is dropped), never more."""
+    samples: dict[int, set[int]] = {}
+    agents: set[int] = set()
     for e in episodes:
         if e.prompt_index >= 0:
-            counts[e.prompt_index] = counts.get(e.prompt_index, 0) + 1
-    for prompt_index, count in counts.items():
-        if count != samples_per_prompt:
+            samples.setdefault(e.prompt_index, set()).add(e.sample_index)
+            if AGENT_TRACE_COLUMN in e.columns:
+                agents.add(e.prompt_index)
+    for prompt_index, indexes in samples.items():
+        count = len(indexes)
+        whole = count <= samples_per_prompt if prompt_index in agents else None
+        if whole is None:
+            whole = count == samples_per_prompt
+        if not whole:
             raise ValueError(
                 f"prompt {prompt_index} reached the learner with {count} of its "
                 f"{samples_per_prompt} samples: a group was split across steps"

@@ -251,14 +251,6 @@ class TrainingDriver:
             self.buffered.clear()
         self.store.confirm(block=True)
 
-    def close_agents(self) -> None:
-        """Tells the agent endpoint, if any, that the run needs no more traces."""
-        if self.actors.agent is not None:
-            try:
-                self.recovery.call("agent", self.actors.agent.close.remote(), "close")
-            except ActorFailure as err:
-                logger.warning("the agent endpoint did not close: %s", err)
-
     def close_store(self) -> StoreStats | None:
         """Sends every episode not yet stored to the store, closes it (writing its
         buffered rows, waiting for uploads) and returns its stats; None if the store

@@ -1,0 +1,143 @@
+"""A solver and a checker, both played by the policy a run trains, agree on an answer.
+
+An agent program written with the `openai` package and the standard library alone:
+nothing here imports rlray. It asks the run for tasks until the run needs no more, and
+plays each task in rounds:
+
+- the solver answers the task, continuing its own conversation (a second round's prompt
+  is the first round's, its answer, and the task again);
+- the checker answers it afresh, without seeing the solver's answer;
+- they agree when the two answers are the same, and the task ends; else the next round,
+  three rounds at most.
+
+The reward has two components, weighed equally:
+- quality: the share of all answers given (solver's and checker's, every round) that are
+  right;
+- coordination: 1 when they agreed on the right answer, 0.25 less for each round past
+  the first (agreeing sooner is better); 0 when they agreed on a wrong answer or never
+  agreed.
+The task succeeds when they agreed on the right answer (the `correct` component). Each
+round is posted as an event, so the run's store shows the trace turn by turn.
+
+    export RLRAY_AGENT_TOKEN=...   # the run's agent.token
+    python examples/agents/solve_and_check.py http://127.0.0.1:PORT --agents 8
+
+`--agents N` plays N tasks at once (threads); every agent exits when the run is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from openai import OpenAI
+
+ROUNDS = 3
+COMPONENTS = ("correct", "quality", "coordination")
+
+
+class Run:
+    """The run's agent endpoint: tasks out, events and rewards in."""
+
+    def __init__(self, url: str, token: str):
+        self.url, self.token = url.rstrip("/"), token
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        request = urllib.request.Request(self.url + path, data, headers, method=method)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read() or b"null")
+
+    def next_task(self) -> dict[str, Any] | None:
+        """Returns the next task, or None once the run needs no more (204)."""
+        while True:
+            try:
+                status, work = self.request("GET", "/v1/tasks/next")
+            except urllib.error.HTTPError as err:
+                if err.code != 503:  # 503: no work yet, ask again
+                    raise
+                time.sleep(float(err.headers.get("Retry-After", "1")))
+                continue
+            return None if status == 204 else work
+
+    def post(self, trace_id: str, what: str, body: dict[str, Any]) -> None:
+        self.request("POST", f"/v1/traces/{trace_id}/{what}", body)
+
+
+def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]:
+    """Plays one task; posts and returns its reward components."""
+    client = OpenAI(base_url=work["base_url"], api_key=run.token)
+    task, trace = work["task"], work["trace_id"]
+
+    def ask(role: str, messages: list[dict[str, str]]) -> str:
+        reply = client.chat.completions.create(
+            model=role, messages=messages, temperature=temperature
+        )
+        return reply.choices[0].message.content or ""
+
+    solver: list[dict[str, str]] = []
+    answers: list[str] = []
+    rounds, agreed = 0, False
+    while rounds < ROUNDS and not agreed:
+        rounds += 1
+        solver.append({"role": "user", "content": task["prompt"]})
+        answer = ask("solver", solver)
+        solver.append({"role": "assistant", "content": answer})  # as the model wrote it
+        check = ask("checker", [{"role": "user", "content": task["prompt"]}])
+        answers += [answer.strip(), check.strip()]
+        agreed = answers[-1] == answers[-2]
+        event = {"name": "round", "detail": f"{answer} / {check}", "value": float(agreed)}
+        run.post(trace, "events", event)
+    right = str(task["answer"])
+    correct = agreed and answers[-1] == right
+    quality = sum(a == right for a in answers) / len(answers)
+    coordination = 1.0 - 0.25 * (rounds - 1) if correct else 0.0
+    reward = 0.5 * quality + 0.5 * coordination
+    components = {"quality": quality, "coordination": coordination, "correct": float(correct)}
+    run.post(trace, "reward", {"reward": reward, "components": {**components, "rounds": rounds}})
+    return components
+
+
+def agent(run: Run, temperature: float, outcomes: list[dict], failures: list[str]) -> None:
+    try:
+        while (work := run.next_task()) is not None:
+            outcomes.append(play(run, work, temperature))
+    except Exception as err:  # reported by main
+        failures.append(f"{type(err).__name__}: {err}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url", help="the run's agent endpoint, as the job printed it")
+    parser.add_argument("--agents", type=int, default=8, help="tasks played at once")
+    parser.add_argument("--temperature", type=float, default=1.0, help="of every call")
+    args = parser.parse_args()
+    run = Run(args.url, os.environ["RLRAY_AGENT_TOKEN"])
+    outcomes: list[dict] = []
+    failures: list[str] = []
+    threads = [
+        threading.Thread(target=agent, args=(run, args.temperature, outcomes, failures))
+        for _ in range(args.agents)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    means = {k: sum(o[k] for o in outcomes) / max(len(outcomes), 1) for k in COMPONENTS}
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in means.items())
+    print(f"solve_and_check: {len(outcomes)} tasks, {shown}")
+    for failure in failures:
+        print(f"solve_and_check: an agent stopped: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
