@@ -97,6 +97,7 @@ def load_after(worker, steps: int, version: int, weights) -> int:
     deadline = time.monotonic() + 120
     while worker.loop.steps < steps and time.monotonic() < deadline:
         time.sleep(0.0005)
+    worker.loop.hold()  # the steps are counted with the engine held: the load comes next
     taken = worker.loop.steps
     worker.load_weights(version, weights)
     return taken
@@ -108,8 +109,9 @@ def generate_across_a_load(host, rows, old, new) -> tuple:
     scores the episodes' tokens with `new` and with `old` (loaded again as version 2)."""
     worker = host.rollout
     worker.load_weights(0, old)
+    before = worker.loop.steps  # the warm-up's
     thread, result = in_a_thread(lambda: worker.generate(rows, 0))
-    steps_at_load = load_after(worker, worker.loop.steps + STEPS_BEFORE_LOAD, 1, new)
+    steps_at_load = load_after(worker, before + STEPS_BEFORE_LOAD, 1, new) - before
     thread.join(timeout=120)
     episodes, stats = result["out"]
     with_new = worker.token_logprobs(episodes)
@@ -168,7 +170,8 @@ def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions
 @pytest.mark.slow
 def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys(across_a_load):
     mode, (episodes, _, steps_at_load, _, with_new, with_old), _ = across_a_load
-    # One step prefills each prompt and samples its first token; each later step one more.
+    # One step prefills each prompt and samples its first token; each later step one more
+    # (the steps are counted with the engine held for the load, so the count is exact).
     split = steps_at_load
     for episode, new, old in zip(episodes, with_new, with_old, strict=True):
         sampled = episode.rollout_logprobs

@@ -17,6 +17,7 @@ rollout.in_flight_kv_cache's choice: kept, or recomputed by the new weights.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,9 +40,13 @@ class EngineLoop:
         self.engine = engine
         self.version = version
         """The policy version the engine's weights are; set by whoever loads weights."""
-        self._turn = threading.Condition()
+        lock = threading.Lock()
+        self._free = threading.Condition(lock)  # the engine is free: adds, steps, pauses
+        self._stepped = threading.Condition(lock)  # a step ended: its outputs are in
+        self._stepping = False  # a caller steps for every caller
         self._busy = False  # a step or a paused() section holds the engine
-        self._waiting_pauses = 0  # pauses waiting: steps defer to them
+        self._waiting_pauses = 0  # pauses waiting: steps and adds defer to them
+        self._waiting_adds = 0  # adds waiting: steps defer to them
         self._held = False  # hold(): paused across calls (a layerwise weight transfer)
         self._outputs: dict[str, Any] = {}  # finished outputs not yet taken by their session
         self._versions: dict[str, Versions] = {}
@@ -98,50 +103,77 @@ class EngineLoop:
             self._held = False
             self._release()
 
-    def _acquire(self, pause: bool) -> None:
-        with self._turn:
+    def _acquire(self, pause: bool = False, add: bool = False) -> None:
+        """Takes the engine: a pause before anything else, then adds before steps, so
+        that callers' new requests join the next step rather than wait behind a caller
+        that keeps stepping its own (Python's lock is not fair: calls made one at a time
+        would run one at a time)."""
+        with self._free:
             if pause:
                 self._waiting_pauses += 1
+            elif add:
+                self._waiting_adds += 1
             try:
-                while self._busy or (not pause and self._waiting_pauses):
-                    self._turn.wait()
+                while self._busy or (
+                    not pause and (self._waiting_pauses or (not add and self._waiting_adds))
+                ):
+                    self._free.wait()
             finally:
                 if pause:
                     self._waiting_pauses -= 1
+                elif add:
+                    self._waiting_adds -= 1
             self._busy = True
 
     def _release(self) -> None:
-        with self._turn:
+        with self._free:
             self._busy = False
-            self._turn.notify_all()
+            self._free.notify_all()
 
     def _add(self, request_id: str, prompt: Any, params: Any) -> None:
-        self._acquire(pause=False)
+        self._acquire(add=True)
         try:
             self.engine.add_request(request_id, prompt, params)
             self._versions[request_id] = Versions(self.version, self.version)
         finally:
             self._release()
 
-    def _step(self) -> None:
-        """Takes one engine step and keeps its finished outputs for their sessions."""
-        self._acquire(pause=False)
+    def _step(self, waiting_for: set[str]) -> None:
+        """Returns after one engine step, whose finished outputs are kept for their
+        sessions: the caller's own, or, if another caller is stepping, that one's (one
+        caller steps for all; the others wait for its step, each woken once a step).
+        None if one of `waiting_for` finished meanwhile."""
+        with self._free:
+            if self._stepping:
+                step = self.steps
+                while self._stepping and self.steps == step:
+                    self._stepped.wait()
+                return
+            self._stepping = True
         try:
-            for output in self.engine.step():
-                if output.finished and output.request_id in self._versions:
-                    self._versions[output.request_id].last = self.version
-                    self._outputs[output.request_id] = output
-            self.steps += 1
+            self._acquire()
+            try:
+                if not waiting_for.isdisjoint(self._outputs):
+                    return
+                for output in self.engine.step():
+                    if output.finished and output.request_id in self._versions:
+                        self._versions[output.request_id].last = self.version
+                        self._outputs[output.request_id] = output
+                self.steps += 1
+            finally:
+                self._release()
         finally:
-            self._release()
+            with self._free:
+                self._stepping = False
+                self._stepped.notify_all()
 
     def _take(self, request_ids: set[str]) -> list[Any]:
-        with self._turn:
+        with self._free:
             ready = [rid for rid in request_ids if rid in self._outputs]
             return [self._outputs.pop(rid) for rid in ready]
 
     def _abort(self, request_ids: list[str]) -> None:
-        self._acquire(pause=False)
+        self._acquire()
         try:
             self.engine.abort_request(request_ids)
             for rid in request_ids:
@@ -174,7 +206,12 @@ class Session:
         unless some already did (in another caller's step)."""
         finished = self.loop._take(self.pending)
         if not finished and self.pending:
-            self.loop._step()
+            self.loop._step(self.pending)
+            # Other callers' threads get the GIL now: between two steps they add their
+            # requests (to the next step) or take their outputs. Without it a caller
+            # that steps holds the GIL across steps, and calls made one at a time (an
+            # agent's) run one at a time (measured: 1 request a step of 32 callers).
+            time.sleep(0)
             finished = self.loop._take(self.pending)
         for output in finished:
             self.pending.discard(output.request_id)

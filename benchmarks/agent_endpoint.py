@@ -1,0 +1,213 @@
+"""The agent endpoint's cost: the same model calls made by concurrent agents through the
+endpoint (HTTP, the official openai client) and directly on the rollout worker (a Ray
+call to RolloutWorker.complete), side by side in one run.
+
+    python benchmarks/agent_endpoint.py                     # 32 agents, 2 rounds
+    python benchmarks/agent_endpoint.py --agents 64 --calls 4 --rounds 3
+
+One rollout actor and one agent endpoint actor, started as a run starts them, on the
+embedded model. Each agent plays the built-in arithmetic task's prompts: `--calls`
+chat calls per task, each a fresh conversation with the task's prompt (rendered by the
+chat template as the endpoint renders it), at temperature 1 with the run's
+max_new_tokens. The direct path makes the same calls with the same prompt token ids
+from the same number of threads. The two paths take turns `--rounds` times; prints
+tokens/s of each and their ratio, and the per-call latency (median and p95) of each,
+with the endpoint's added share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlray.agent.gateway import CallLimits
+from rlray.cluster.roles import AgentActor, RolloutActor
+from rlray.config import AgentConfig, DataConfig, ModelConfig, RolloutConfig
+from rlray.data.models import load_tokenizer, resolve_model_path
+from rlray.data.prompts import train_prompts
+from rlray.rollout.worker import vllm_env
+
+TOKEN = "bench"
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def direct(rollout, prompts: list[list[int]], agents: int, calls: int, max_tokens: int):
+    """Returns (tokens, seconds, latencies) of agents x calls direct calls."""
+
+    def call(index: int, number: int) -> int:
+        ids = prompts[(index * calls + number) % len(prompts)]
+        (made,) = ray.get(rollout.complete.remote(ids, 1, 1.0, max_tokens, []), timeout=120)
+        return len(made.token_ids)
+
+    return timed([call] * agents, calls)
+
+
+def through_endpoint(endpoint, url: str, agents: int, calls: int, max_tokens: int):
+    """Returns (tokens, seconds, latencies) of agents x calls chat calls, agents taking
+    one task each from a batch of `agents` tasks (taken, and each agent's client made,
+    before the clock starts; ended after it stops)."""
+    rows = train_prompts(DataConfig(), seed=0)
+    batch = endpoint.run_batch.options(num_returns=2).remote(
+        [rows.row(i) for i in range(agents)], 0, 1, 0
+    )
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    works = [
+        httpx.get(f"{url}/v1/tasks/next", headers=headers, timeout=60).json() for _ in range(agents)
+    ]
+
+    def agent_of(work: dict):
+        client = openai.OpenAI(base_url=work["base_url"], api_key=TOKEN)
+        messages = [{"role": "user", "content": work["task"]["prompt"]}]
+
+        def call(index: int, number: int) -> int:
+            reply = client.chat.completions.create(
+                model="solver", messages=messages, max_tokens=max_tokens, temperature=1.0
+            )
+            return reply.usage.completion_tokens
+
+        return call
+
+    result = timed([agent_of(work) for work in works], calls)
+    for work in works:
+        httpx.post(f"{url}/v1/traces/{work['trace_id']}/end", headers=headers, timeout=60)
+    ray.get(list(batch), timeout=300)
+    return result
+
+
+def timed(agents: list, calls: int) -> tuple[int, float, list[float]]:
+    """Runs each agent's `calls` calls one after another, the agents at once; returns
+    (tokens, seconds, each call's latency)."""
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def run(index: int) -> None:
+        for number in range(calls):
+            started = time.perf_counter()
+            made = agents[index](index, number)
+            with lock:
+                latencies.append(time.perf_counter() - started)
+                tokens[0] += made
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(agents))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return tokens[0], time.perf_counter() - started, latencies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=16, help="calls per agent and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    rollout_config = RolloutConfig(in_flight_updates=True)  # as agent.enabled starts it
+    model = resolve_model_path("builtin:tiny-arithmetic")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address="local", num_cpus=2, log_to_driver=False)
+    rollout = (
+        ray.remote(RolloutActor)
+        .options(
+            num_cpus=1,
+            max_concurrency=args.agents + 2,
+            runtime_env={"env_vars": vllm_env(rollout_config)},
+        )
+        .remote("rollout-0", model, ModelConfig(path=model), rollout_config, "bench", 0)
+    )
+    limits = CallLimits(64, rollout_config.max_new_tokens, 10_000, args.calls)
+    endpoint = (
+        ray.remote(AgentActor)
+        .options(num_cpus=0, max_concurrency=args.agents + 8)
+        .remote(
+            AgentConfig(enabled=True, token=TOKEN),
+            TOKEN,
+            model,
+            [rollout],
+            ["rollout-0"],
+            limits,
+            "bench",
+        )
+    )
+    url = ray.get(endpoint.url.remote(), timeout=300)
+    tokenizer = load_tokenizer(model)
+    rows = train_prompts(DataConfig(), seed=0)
+    prompts = [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": rows.row(i).prompt}],
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            add_special_tokens=False,
+        ).input_ids
+        for i in range(args.agents)
+    ]
+    max_tokens = rollout_config.max_new_tokens
+    direct(rollout, prompts, args.agents, 2, max_tokens)  # warm both paths up
+    through_endpoint(endpoint, url, args.agents, 2, max_tokens)
+    totals = {"direct": [0, 0.0, []], "endpoint": [0, 0.0, []]}
+    processes = {"client": psutil.Process()}
+    for role, actor in (("rollout", rollout), ("agent", endpoint)):
+        processes[role] = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
+    cpu = {name: dict.fromkeys(processes, 0.0) for name in totals}
+    for _ in range(args.rounds):
+        for name in ("direct", "endpoint"):
+            before = {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
+            if name == "direct":
+                tokens, seconds, latencies = direct(
+                    rollout, prompts, args.agents, args.calls, max_tokens
+                )
+            else:
+                tokens, seconds, latencies = through_endpoint(
+                    endpoint, url, args.agents, args.calls, max_tokens
+                )
+            for role, process in processes.items():
+                cpu[name][role] += sum(process.cpu_times()[:2]) - before[role]
+            totals[name][0] += tokens
+            totals[name][1] += seconds
+            totals[name][2] += latencies
+    print(f"{args.agents} agents, {args.calls} calls each, {args.rounds} rounds per path")
+    rates = {}
+    for name, (tokens, seconds, latencies) in totals.items():
+        rates[name] = tokens / seconds
+        median, p95 = statistics.median(latencies), percentile(latencies, 0.95)
+        totals[name].append((median, p95))
+        print(
+            f"{name:9s} {rates[name]:7.1f} tokens/s  latency median {median * 1000:6.1f} ms"
+            f"  p95 {p95 * 1000:6.1f} ms  ({len(latencies)} calls)"
+        )
+        per_call = ", ".join(
+            f"{role} {seconds / len(latencies) * 1000:.1f}" for role, seconds in cpu[name].items()
+        )
+        print(f"          CPU ms per call: {per_call}")
+    (d_median, d_p95), (e_median, e_p95) = totals["direct"][3], totals["endpoint"][3]
+    print(f"endpoint / direct tokens/s: {rates['endpoint'] / rates['direct']:.2f}x")
+    print(
+        f"latency added by the endpoint: median {e_median / d_median - 1:+.1%}, "
+        f"p95 {e_p95 / d_p95 - 1:+.1%}"
+    )
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
