@@ -11,8 +11,10 @@ chat calls per task, each a fresh conversation with the task's prompt (rendered 
 chat template as the endpoint renders it), at temperature 1 with the run's
 max_new_tokens. The direct path makes the same calls with the same prompt token ids
 from the same number of threads. The two paths take turns `--rounds` times; prints
-tokens/s of each and their ratio, and the per-call latency (median and p95) of each,
-with the endpoint's added share.
+tokens/s of each and their ratio, the per-call latency (median and p95) of each with
+the endpoint's added share, and the CPU each process spent per call. A third path,
+`endpoint-httpx`, posts the same JSON with httpx: the endpoint without the openai
+client's own CPU, which on a small machine competes with the engine.
 """
 
 from __future__ import annotations
@@ -58,10 +60,14 @@ def direct(rollout, prompts: list[list[int]], agents: int, calls: int, max_token
     return timed([call] * agents, calls)
 
 
-def through_endpoint(endpoint, url: str, agents: int, calls: int, max_tokens: int):
+def through_endpoint(
+    endpoint, url: str, agents: int, calls: int, max_tokens: int, client: str = "openai"
+):
     """Returns (tokens, seconds, latencies) of agents x calls chat calls, agents taking
     one task each from a batch of `agents` tasks (taken, and each agent's client made,
-    before the clock starts; ended after it stops)."""
+    before the clock starts; ended after it stops). `client`: the official openai
+    client, or httpx posting the same JSON (what the endpoint costs without the
+    openai client's own CPU)."""
     rows = train_prompts(DataConfig(), seed=0)
     batch = endpoint.run_batch.options(num_returns=2).remote(
         [rows.row(i) for i in range(agents)], 0, 1, 0
@@ -72,11 +78,20 @@ def through_endpoint(endpoint, url: str, agents: int, calls: int, max_tokens: in
     ]
 
     def agent_of(work: dict):
-        client = openai.OpenAI(base_url=work["base_url"], api_key=TOKEN)
         messages = [{"role": "user", "content": work["task"]["prompt"]}]
+        if client == "httpx":
+            session = httpx.Client(headers=headers, timeout=60)
+            body = {"model": "solver", "messages": messages, "max_tokens": max_tokens}
+
+            def post(index: int, number: int) -> int:
+                reply = session.post(f"{work['base_url']}/chat/completions", json=body)
+                return reply.json()["usage"]["completion_tokens"]
+
+            return post
+        openai_client = openai.OpenAI(base_url=work["base_url"], api_key=TOKEN)
 
         def call(index: int, number: int) -> int:
-            reply = client.chat.completions.create(
+            reply = openai_client.chat.completions.create(
                 model="solver", messages=messages, max_tokens=max_tokens, temperature=1.0
             )
             return reply.usage.completion_tokens
@@ -164,21 +179,23 @@ def main() -> int:
     max_tokens = rollout_config.max_new_tokens
     direct(rollout, prompts, args.agents, 2, max_tokens)  # warm both paths up
     through_endpoint(endpoint, url, args.agents, 2, max_tokens)
-    totals = {"direct": [0, 0.0, []], "endpoint": [0, 0.0, []]}
+    paths = ("direct", "endpoint", "endpoint-httpx")
+    totals = {name: [0, 0.0, []] for name in paths}
     processes = {"client": psutil.Process()}
     for role, actor in (("rollout", rollout), ("agent", endpoint)):
         processes[role] = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
     cpu = {name: dict.fromkeys(processes, 0.0) for name in totals}
     for _ in range(args.rounds):
-        for name in ("direct", "endpoint"):
+        for name in paths:
             before = {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
             if name == "direct":
                 tokens, seconds, latencies = direct(
                     rollout, prompts, args.agents, args.calls, max_tokens
                 )
             else:
+                client = name.partition("-")[2] or "openai"
                 tokens, seconds, latencies = through_endpoint(
-                    endpoint, url, args.agents, args.calls, max_tokens
+                    endpoint, url, args.agents, args.calls, max_tokens, client
                 )
             for role, process in processes.items():
                 cpu[name][role] += sum(process.cpu_times()[:2]) - before[role]
@@ -199,12 +216,13 @@ def main() -> int:
             f"{role} {seconds / len(latencies) * 1000:.1f}" for role, seconds in cpu[name].items()
         )
         print(f"          CPU ms per call: {per_call}")
-    (d_median, d_p95), (e_median, e_p95) = totals["direct"][3], totals["endpoint"][3]
-    print(f"endpoint / direct tokens/s: {rates['endpoint'] / rates['direct']:.2f}x")
-    print(
-        f"latency added by the endpoint: median {e_median / d_median - 1:+.1%}, "
-        f"p95 {e_p95 / d_p95 - 1:+.1%}"
-    )
+    d_median, d_p95 = totals["direct"][3]
+    for name in paths[1:]:
+        e_median, e_p95 = totals[name][3]
+        print(
+            f"{name} / direct: tokens/s {rates[name] / rates['direct']:.2f}x, latency "
+            f"median {e_median / d_median - 1:+.1%}, p95 {e_p95 / d_p95 - 1:+.1%}"
+        )
     ray.shutdown()
     return 0
 

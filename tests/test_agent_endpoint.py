@@ -128,13 +128,18 @@ def test_streaming_completions_n_and_an_unscored_end(endpoint):
         model="checker", prompt=work["task"]["prompt"], n=2, max_tokens=3
     )
     assert len(plain.choices) == 2
+    streamed = client.completions.create(
+        model="checker", prompt=work["task"]["prompt"], max_tokens=3, stream=True
+    )
+    streamed_text = "".join(c.choices[0].text for c in streamed if c.choices)
     assert post(url, f"/v1/traces/{work['trace_id']}/end", {}).status_code == 200
     episodes, _ = finished(refs)
 
     assert [e.completion for e in episodes[:1]] == [text]
-    assert len(episodes) == 3  # the chat call, and each completion choice
+    assert len(episodes) == 4  # the chat call, each completion choice, the streamed one
     assert all(e.reward is None for e in episodes)  # the run's reward functions score them
-    assert sorted(e.completion for e in episodes[1:]) == sorted(c.text for c in plain.choices)
+    assert sorted(e.completion for e in episodes[1:3]) == sorted(c.text for c in plain.choices)
+    assert episodes[3].completion == streamed_text
 
 
 def test_bad_requests_get_a_4xx_and_one_line_of_json_and_the_endpoint_serves_on(endpoint):

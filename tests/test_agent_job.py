@@ -22,9 +22,21 @@ TOKEN = "agent-job-secret"
 AGENT = REPO / "examples" / "agents" / "solve_and_check.py"
 
 
-def run_with_agents(job: list[str], env: dict[str, str], out: Path) -> tuple[str, str]:
-    """Runs a job and, once it prints its agent endpoint, the example agent against it;
-    returns (the job's stdout, the agent's stdout), failing unless both succeeded."""
+def documented_loop(tmp_path: Path) -> Path:
+    """Returns the agent loop docs/agents.md shows, as a program."""
+    page = (REPO / "docs" / "agents.md").read_text()
+    code = page.split("## The agent loop in 15 lines")[1].split("```python\n")[1]
+    path = tmp_path / "agent_loop.py"
+    path.write_text(code.split("```")[0])
+    return path
+
+
+def run_with_agents(
+    job: list[str], env: dict[str, str], out: Path, agents: list[list[str]]
+) -> tuple[str, list[str]]:
+    """Runs a job and, once it prints its agent endpoint, each agent program against it
+    (its arguments, then the URL); returns (the job's stdout, each agent's stdout),
+    failing unless every one succeeded."""
     env = {**env, "RLRAY_AGENT_TOKEN": TOKEN}
     errors = out.with_suffix(".err")
     with errors.open("w") as stderr:
@@ -39,19 +51,25 @@ def run_with_agents(job: list[str], env: dict[str, str], out: Path) -> tuple[str
                     break
             assert lines and lines[-1].startswith("agent endpoint: "), errors.read_text()
             url = lines[-1].split()[-1]
-            agents = subprocess.run(
-                [sys.executable, str(AGENT), url, "--agents", "8"],
-                env={"PATH": env["PATH"], "RLRAY_AGENT_TOKEN": TOKEN},
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            agent_env = {"PATH": env["PATH"], "RLRAY_AGENT_TOKEN": TOKEN}
+            running = [
+                subprocess.Popen(
+                    [sys.executable, *agent[:1], url, *agent[1:]],
+                    env=agent_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for agent in agents
+            ]
+            outputs = [agent.communicate(timeout=600) for agent in running]
             rest = process.communicate(timeout=600)[0].decode()
         finally:
             process.kill()
-    assert agents.returncode == 0, agents.stderr[-3000:]
+    for agent, (_, agent_errors) in zip(running, outputs, strict=True):
+        assert agent.returncode == 0, agent_errors[-3000:]
     assert process.returncode == 0, errors.read_text()[-3000:]
-    return "".join(lines) + rest, agents.stdout
+    return "".join(lines) + rest, [stdout for stdout, _ in outputs]
 
 
 def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job_env, tmp_path):
@@ -59,18 +77,27 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     train = [str(REPO / "jobs" / "ppo.py"), "--config", str(REPO / "examples/solve_and_check.yaml")]
     train += ["--learner.steps", "3", "--learner.eval_every", "3", "--run-dir", str(run_dir)]
     train += ["--rollout.prompts_per_batch", "16"]
-    output, played = run_with_agents(train, job_env, tmp_path / "train.out")
+    agents = [[str(AGENT), "--agents", "8"], [str(documented_loop(tmp_path))]]
+    output, _ = run_with_agents(train, job_env, tmp_path / "train.out", agents)
 
-    tasks = int(played.split()[1])
     steps = metrics(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["agent_traces_dropped"] == 0 for m in steps)
     assert all(m["logprob_parity_error"] < 1e-4 for m in steps)  # after every sync
-    assert all(set(m["reward_components"]) >= {"quality", "coordination"} for m in steps)
     episodes = read(str(run_dir / "episodes")).to_pylist()
-    traces = {json.loads(e["columns"])["trace_id"] for e in episodes}
-    assert len(traces) == tasks  # every trace an agent played is in the store, once
-    assert {json.loads(e["columns"])["agent_role"] for e in episodes} == {"solver", "checker"}
+    # Every trace handed out is in the store, once: one per prompt and sample.
+    traces: dict[tuple[int, int], set[str]] = {}
+    for e in episodes:
+        key = (e["prompt_index"], e["sample_index"])
+        traces.setdefault(key, set()).add(json.loads(e["columns"])["trace_id"])
+    handed_out = sum(m["prompts_generated"] for m in steps) * 4
+    assert len(traces) == handed_out and all(len(ids) == 1 for ids in traces.values())
+    # Both agents played: the example's solver and checker, the documented loop's solver.
+    roles = {json.loads(e["columns"])["agent_role"] for e in episodes}
+    assert roles == {"solver", "checker"}
+    assert any(all(s["kind"] != "event" for s in e["spans"]) for e in episodes)  # the loop's
+    components = {name for e in episodes for name, _ in e["reward_components"]}
+    assert {"quality", "coordination"} <= components
     # A solver's later rounds extend its first token for token: one loss-masked episode.
     merged = [e for e in episodes if e["completion_mask"] and 0 in e["completion_mask"]]
     assert merged
@@ -85,7 +112,9 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     collect += ["--model.path", str(policy), "--run-dir", str(held_out)]
     collect += ["--data.eval_size", "16", "--rollout.prompts_per_batch", "8"]
     collect += ["--rollout.samples_per_prompt", "1", "--rollout.max_turns", "6"]
-    _, played = run_with_agents(collect, job_env, tmp_path / "collect.out")
+    _, (played,) = run_with_agents(
+        collect, job_env, tmp_path / "collect.out", [[str(AGENT), "--agents", "8"]]
+    )
     assert played.startswith("solve_and_check: 16 tasks")
     stored = read(str(held_out / "episodes")).to_pylist()
     assert len({json.loads(e["columns"])["trace_id"] for e in stored}) == 16

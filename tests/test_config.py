@@ -14,6 +14,7 @@ from rlray.config import (
     Config,
     ConfigError,
     LearnerConfig,
+    agent_token,
     build_parser,
     config_to_dict,
     ingest_token,
@@ -249,6 +250,19 @@ def test_missing_config_file_is_named(tmp_path):
             r"^rollout.gpu_memory_utilization must be <= 1.0 \(a share\), got 1.5$",
         ),
         (["--ingest.port", "70000"], r"^ingest.port must be <= 65535 \(a TCP port\), got 70000$"),
+        (["--agent.port", "70000"], r"^agent.port must be in \[0, 65535\], got 70000$"),
+        (["--agent.enabled", "true"], r"^agent.token: the agent endpoint needs a bearer token"),
+        (
+            [
+                *["--agent.enabled", "true", "--agent.token", "t"],
+                *["--rollout.environment", "builtin:calculator"],
+            ],
+            r"^agent.enabled: agents drive their own turns; rollout.environment ",
+        ),
+        (
+            ["--agent.enabled", "true", "--agent.token", "t", "--ray.placement", "colocated"],
+            r"^agent.enabled: the agent endpoint needs disaggregated placement",
+        ),
         (["--seed", str(2**32)], r"^seed must be <= 2147483646 \(numpy seeds are 32-bit\)"),
         (
             ["--learner.resources", "{gpu_node: -1}"],
@@ -298,7 +312,8 @@ def test_missing_config_file_is_named(tmp_path):
         ),
     ],
 )
-def test_validate_names_the_bad_field(argv, message):
+def test_validate_names_the_bad_field(argv, message, monkeypatch):
+    monkeypatch.delenv("RLRAY_AGENT_TOKEN", raising=False)
     config = parse_command_line(argv).config
     with pytest.raises(ConfigError, match=message):
         validate(config)
@@ -370,9 +385,11 @@ def test_tokens_stay_out_of_the_run_directory_which_only_its_owner_reads(tmp_pat
     from rlray.driver.plan import RunPlan, write_config
 
     run_dir = tmp_path / "runs" / "secret"
-    command = parse_command_line(["--run-dir", str(run_dir), "--ingest.token", "s3cr3t-t0ken"])
+    argv = ["--run-dir", str(run_dir), "--ingest.token", "s3cr3t-t0ken"]
+    command = parse_command_line([*argv, "--agent.token", "s3cr3t-agent"])
     assert command.config.ingest.token == "s3cr3t-t0ken"  # the run itself has it
     assert config_to_dict(command.config)["ingest"]["token"] == ""  # what is written has not
+    assert config_to_dict(command.config)["agent"]["token"] == ""
     write_config(RunPlan(command.config, run_dir, "secret", "", None, [], None))  # type: ignore[arg-type]
     written = run_dir / "config.yaml"
     assert "s3cr3t" not in written.read_text()
@@ -382,3 +399,5 @@ def test_tokens_stay_out_of_the_run_directory_which_only_its_owner_reads(tmp_pat
     resumed = parse_command_line(["--resume", str(run_dir)]).config
     assert resumed.ingest.token == ""
     assert ingest_token(resumed.ingest) == "from-the-environment"
+    monkeypatch.setenv("RLRAY_AGENT_TOKEN", "agent-from-the-environment")
+    assert agent_token(resumed.agent) == "agent-from-the-environment"

@@ -15,6 +15,7 @@ from rlray.agent.openai_api import (
     RequestError,
     chat_chunks,
     chat_response,
+    completion_chunks,
     completion_response,
     parse_chat_request,
     parse_completion_request,
@@ -182,6 +183,12 @@ def test_a_plain_completion_parses_as_the_clients_completion():
     completion = Completion.model_validate(body)
     assert completion.choices[0].text == "46"
     assert completion.choices[0].logprobs.token_logprobs == [-0.5, -0.5]
+    streamed = parse_completion_request({"prompt": "12+34=", "stream": True, "n": 2}, LIMIT)
+    chunks = completion_chunks(streamed, "cmpl-2", 0, 6, [generated("46"), generated("47")])
+    parsed_chunks = [Completion.model_validate(chunk) for chunk in chunks]
+    assert [c.text for chunk in parsed_chunks for c in chunk.choices] == ["46", "47"]
+    assert [c.index for chunk in parsed_chunks for c in chunk.choices] == [0, 1]
+    assert parsed_chunks[-1].usage.completion_tokens == 4 and not parsed_chunks[-1].choices
     with pytest.raises(RequestError, match=r"^prompt: expected a non-empty string"):
         parse_completion_request({"prompt": ""}, LIMIT)
     with pytest.raises(RequestError, match=r"^logprobs: only the sampled"):

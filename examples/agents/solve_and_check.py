@@ -10,14 +10,13 @@ plays each task in rounds:
 - they agree when the two answers are the same, and the task ends; else the next round,
   three rounds at most.
 
-The reward has two components, weighed equally:
-- quality: the share of all answers given (solver's and checker's, every round) that are
-  right;
-- coordination: 1 when they agreed on the right answer, 0.25 less for each round past
-  the first (agreeing sooner is better); 0 when they agreed on a wrong answer or never
-  agreed.
-The task succeeds when they agreed on the right answer (the `correct` component). Each
-round is posted as an event, so the run's store shows the trace turn by turn.
+Rewards, posted per call: half the call's answer quality (1 if its answer is right),
+half the trace's coordination (1 when solver and checker agreed on the right answer,
+0.25 less for each round past the first: agreeing sooner is better; 0 when they agreed
+on a wrong answer or never agreed). The trace's reward is their mean, with components
+`quality` (the share of right answers), `coordination` and `correct` (they agreed on
+the right answer: the task's success). Each round is posted as an event, so the run's
+store shows the trace turn by turn.
 
     export RLRAY_AGENT_TOKEN=...   # the run's agent.token
     python examples/agents/solve_and_check.py http://127.0.0.1:PORT --agents 8
@@ -77,14 +76,17 @@ def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]
     client = OpenAI(base_url=work["base_url"], api_key=run.token)
     task, trace = work["task"], work["trace_id"]
 
+    calls: dict[str, bool] = {}  # each call's response id: whether its answer is right
+
     def ask(role: str, messages: list[dict[str, str]]) -> str:
         reply = client.chat.completions.create(
             model=role, messages=messages, temperature=temperature
         )
-        return reply.choices[0].message.content or ""
+        answer = reply.choices[0].message.content or ""
+        calls[reply.id] = answer.strip() == str(task["answer"])
+        return answer
 
     solver: list[dict[str, str]] = []
-    answers: list[str] = []
     rounds, agreed = 0, False
     while rounds < ROUNDS and not agreed:
         rounds += 1
@@ -92,17 +94,17 @@ def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]
         answer = ask("solver", solver)
         solver.append({"role": "assistant", "content": answer})  # as the model wrote it
         check = ask("checker", [{"role": "user", "content": task["prompt"]}])
-        answers += [answer.strip(), check.strip()]
-        agreed = answers[-1] == answers[-2]
+        agreed = answer.strip() == check.strip()
         event = {"name": "round", "detail": f"{answer} / {check}", "value": float(agreed)}
         run.post(trace, "events", event)
-    right = str(task["answer"])
-    correct = agreed and answers[-1] == right
-    quality = sum(a == right for a in answers) / len(answers)
+    correct = agreed and answer.strip() == str(task["answer"])
     coordination = 1.0 - 0.25 * (rounds - 1) if correct else 0.0
-    reward = 0.5 * quality + 0.5 * coordination
+    call_rewards = {call: 0.5 * right + 0.5 * coordination for call, right in calls.items()}
+    quality = sum(calls.values()) / len(calls)
     components = {"quality": quality, "coordination": coordination, "correct": float(correct)}
-    run.post(trace, "reward", {"reward": reward, "components": {**components, "rounds": rounds}})
+    reward = sum(call_rewards.values()) / len(call_rewards)
+    body = {"reward": reward, "components": {**components, "rounds": rounds}}
+    run.post(trace, "reward", {**body, "call_rewards": call_rewards})
     return components
 
 

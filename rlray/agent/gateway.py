@@ -47,6 +47,7 @@ from rlray.agent.openai_api import (
     Sampling,
     chat_chunks,
     chat_response,
+    completion_chunks,
     completion_response,
     parse_chat_request,
     parse_completion_request,
@@ -320,10 +321,11 @@ class AgentGateway:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         trace = self._trace(request)
         plain = parse_completion_request(await self._body(request), self.limits.max_new_tokens)
-        if plain.stream:
-            raise RequestError(400, "stream: completions are served whole (chat streams)")
         token_ids = self.tokenizer(plain.prompt).input_ids  # as vLLM tokenises a text prompt
         call_id, created, choices = await self._call(trace, plain, plain.prompt, token_ids)
+        if plain.stream:
+            chunks = completion_chunks(plain, call_id, created, len(token_ids), choices)
+            return await _stream(request, chunks)
         response = completion_response(plain, call_id, created, len(token_ids), choices)
         return web.json_response(response)
 

@@ -331,3 +331,18 @@ def completion_response(
         "choices": out,
         "usage": _usage(prompt_tokens, choices),
     }
+
+
+def completion_chunks(
+    request: CompletionRequest,
+    call_id: str,
+    created: int,
+    prompt_tokens: int,
+    choices: list[Generated],
+) -> list[dict[str, Any]]:
+    """Returns the text_completion chunks of a stream: each choice whole with its finish
+    reason (the engine generates a call whole), then the usage."""
+    whole = completion_response(request, call_id, created, prompt_tokens, choices)
+    chunks = [{**whole, "choices": [choice]} for choice in whole.pop("choices")]
+    usage = whole.pop("usage")
+    return [*chunks, {**whole, "choices": [], "usage": usage}]

@@ -27,8 +27,7 @@ from rlray.core.prompt import PromptRow
 from rlray.data.chat import episode_columns
 from rlray.rollout.sampling import Generated
 
-TRACE_COLUMN = AGENT_TRACE_COLUMN
-ROLE_COLUMN = "agent_role"
+AGENT_ROLE_COLUMN = "agent_role"
 
 
 @dataclass
@@ -206,8 +205,8 @@ def _episode(
         rollout_worker=worker_name,
         columns={
             **episode_columns(trace.row),
-            TRACE_COLUMN: trace.trace_id,
-            ROLE_COLUMN: first.role,
+            AGENT_TRACE_COLUMN: trace.trace_id,
+            AGENT_ROLE_COLUMN: first.role,
         },
         reward=reward,
         reward_components=dict(trace.components) if reward is not None else {},

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from rlray.agent.traces import AGENT_ROLE_COLUMN
 from rlray.config import Config, ConfigError, config_to_dict, eval_rewards
 from rlray.core.checkpoints import checkpoint_version, find_checkpoint, latest_checkpoint
 from rlray.core.episode import ModelLimits
+from rlray.core.groups import AGENT_TRACE_COLUMN
 from rlray.core.prompt import PromptRow
 from rlray.data.models import model_limits, read_prompts, resolve_model_path
 from rlray.data.prompts import (
@@ -77,7 +79,10 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     held_out = eval_rows(config.data)
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
     config.eval.rewards = [absolute_spec_path(s, Path.cwd()) for s in config.eval.rewards]
-    check_rewards(config.reward.functions, {*prompts.row(0).columns, TRACE_COLUMN})
+    columns = {*prompts.row(0).columns, TRACE_COLUMN}
+    if config.agent.enabled:  # agents' episodes name their trace and role too
+        columns |= {AGENT_TRACE_COLUMN, AGENT_ROLE_COLUMN}
+    check_rewards(config.reward.functions, columns)
     check_eval_rows(config, held_out)
     if config.rollout.environment:
         load_environment(config.rollout.environment)

@@ -4,7 +4,10 @@ vLLM's LLMEngine runs a batch by steps: each step decodes one token of every run
 request (or prefills new ones). `EngineLoop` lets several callers in one process share
 it: each call opens a `Session`, adds its requests and steps until they are done; a
 step advances every caller's requests, and outputs go to the session that added them.
-Between two steps, `paused()` gives the engine to one caller alone: a weight load.
+One caller steps at a time, for all: the others wait for its step, and requests being
+added go before the next step. So many callers of one request each (agents' model
+calls, rlray.agent) share steps as one batch would. Between two steps, `paused()` gives
+the engine to one caller alone: a weight load.
 
 That is how weights are updated in flight (rollout.in_flight_updates): a sync loads the
 new weights between two steps while requests run, and they go on under the new policy.
