@@ -75,13 +75,13 @@ def run_with_agents(
 def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job_env, tmp_path):
     run_dir = tmp_path / "train"
     train = [str(REPO / "jobs" / "ppo.py"), "--config", str(REPO / "examples/solve_and_check.yaml")]
-    train += ["--learner.steps", "3", "--learner.eval_every", "3", "--run-dir", str(run_dir)]
+    train += ["--learner.steps", "2", "--learner.eval_every", "2", "--run-dir", str(run_dir)]
     train += ["--rollout.prompts_per_batch", "16"]
     agents = [[str(AGENT), "--agents", "8"], [str(documented_loop(tmp_path))]]
     output, _ = run_with_agents(train, job_env, tmp_path / "train.out", agents)
 
     steps = metrics(run_dir)
-    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert [m["step"] for m in steps] == [1, 2]
     assert all(m["agent_traces_dropped"] == 0 for m in steps)
     assert all(m["logprob_parity_error"] < 1e-4 for m in steps)  # after every sync
     episodes = read(str(run_dir / "episodes")).to_pylist()
@@ -106,17 +106,17 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     assert sum(e["trained_at"] is not None for e in episodes) > 0
 
     # Collect-only: the trained policy serves the agent on the held-out prompts.
-    policy = run_dir / "checkpoints" / "step-000003" / "policy"
+    policy = run_dir / "checkpoints" / "step-000002" / "policy"
     held_out = tmp_path / "held-out"
     collect = [str(REPO / "jobs" / "collect.py"), "--held-out", "--agent.enabled", "true"]
     collect += ["--model.path", str(policy), "--run-dir", str(held_out)]
-    collect += ["--data.eval_size", "16", "--rollout.prompts_per_batch", "8"]
+    collect += ["--data.eval_size", "8", "--rollout.prompts_per_batch", "8"]
     collect += ["--rollout.samples_per_prompt", "1", "--rollout.max_turns", "6"]
     _, (played,) = run_with_agents(
         collect, job_env, tmp_path / "collect.out", [[str(AGENT), "--agents", "8"]]
     )
-    assert played.startswith("solve_and_check: 16 tasks")
+    assert played.startswith("solve_and_check: 8 tasks")
     stored = read(str(held_out / "episodes")).to_pylist()
-    assert len({json.loads(e["columns"])["trace_id"] for e in stored}) == 16
+    assert len({json.loads(e["columns"])["trace_id"] for e in stored}) == 8
     assert all(e["trained_at"] is None for e in stored)
     assert "agent endpoint: http://127.0.0.1:" in output

@@ -76,3 +76,12 @@ def test_reward_worker_splits_uniform_groups_after_scoring():
     assert [e.episode_id for e in uniform] == ["r-2-0", "r-2-1"]
     assert (stats.uniform_groups, stats.uniform_episodes, stats.episodes) == (1, 2, 4)
     assert [e.reward for e in kept] == [1.0, 0.0]
+
+
+def test_reward_worker_keeps_a_reward_an_agent_posted_and_scores_the_rest():
+    worker = RewardWorker("reward-0", [RewardSpec(name="exact_match")])
+    posted, unscored, rescored = episode(1, 0, 0.25), episode(1, 1, None), episode(1, 2, 0.7)
+    posted.columns["trace_id"] = unscored.columns["trace_id"] = "t"  # agents' episodes
+    posted.completion = unscored.completion = rescored.completion = "2"  # 1+1=: right
+    scored, _ = worker.score([posted, unscored, rescored])
+    assert [e.reward for e in scored] == [0.25, 1.0, 1.0]

@@ -20,7 +20,7 @@ from typing import Any
 from rlray.config import RewardSpec
 from rlray.core.episode import MAX_ABS_REWARD, Episode
 from rlray.core.evaluation import EvalEpisodes, EvalSample
-from rlray.core.groups import group_key, split_uniform_groups
+from rlray.core.groups import AGENT_TRACE_COLUMN, group_key, split_uniform_groups
 from rlray.core.stats import ScoreStats
 from rlray.data.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.rewards.loading import scheduled_weight
@@ -59,11 +59,11 @@ class RewardWorker:
 
     def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
         """Returns the episodes with rewards set (weights as scheduled at learner `step`)
-        and a stats record. An episode that comes with a reward (an agent posted it,
-        rlray.agent) keeps it."""
+        and a stats record. An agent trace's episode whose agent posted its reward
+        (rlray.agent) keeps it."""
         started = time.perf_counter()
         failures = dict.fromkeys((spec.name for spec in self.specs), 0)
-        unscored = [e for e in episodes if e.reward is None]
+        unscored = [e for e in episodes if not _posted(e)]
         for start in range(0, len(unscored), self.batch_size):
             chunk = unscored[start : start + self.batch_size]
             for index, spec in enumerate(self.specs):
@@ -169,6 +169,11 @@ class RewardWorker:
             episode_id,
             error,
         )
+
+
+def _posted(episode: Episode) -> bool:
+    """Whether an agent posted the episode's reward (its trace's, or its call's)."""
+    return episode.reward is not None and AGENT_TRACE_COLUMN in episode.columns
 
 
 def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
