@@ -209,24 +209,26 @@ def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(j
         job = subprocess.Popen(
             [*collect, *args],
             cwd=REPO,
-            env={**job_env, **AWS_ENV},
+            env={**job_env, **AWS_ENV, "PYTHONUNBUFFERED": "1"},  # each line as printed
             stdout=out,
             stderr=subprocess.PIPE,
             text=True,
         )
     try:
-        wait_until(lambda: (run_dir / "placement.json").exists())
-        kill(run_dir, "rollout-0")  # before or during its first batch
-        wait_until(lambda: "collected" in output.read_text())
+        # The driver keeps the rollout worker busy: after its first batch it is in its
+        # second (or about to be). The reward worker dies halfway through the run.
+        wait_until(lambda: "collected 32 episodes" in output.read_text())
+        kill(run_dir, "rollout-0")
+        wait_until(lambda: "collected 192 episodes" in output.read_text())
         kill(run_dir, "reward-0")
         _, stderr = job.communicate(timeout=600)
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    # The rollout worker died in a call; the reward worker may have died between two
-    # calls, which Ray's restart hides from the driver (nothing of it is lost).
-    assert summary["actor_restarts"]["rollout-0"] == 1
+    # The rollout worker died in or between calls, the reward worker too; Ray restarted
+    # each once, and the driver's recovery saw it.
+    assert summary["actor_restarts"].get("rollout-0") == 1, (summary, stderr[-3000:])
     spool = run_dir / "episode-spool"
     assert f"they wait in {spool}" in stderr
     spooled = sorted(spool.glob("*.data"))
