@@ -9,17 +9,20 @@ One rollout actor and one agent endpoint actor, started as a run starts them, on
 embedded model. Each agent plays the built-in arithmetic task's prompts: `--calls`
 chat calls per task, each a fresh conversation with the task's prompt (rendered by the
 chat template as the endpoint renders it), at temperature 1 with the run's
-max_new_tokens. The direct path makes the same calls with the same prompt token ids
-from the same number of threads. The two paths take turns `--rounds` times; prints
-tokens/s of each and their ratio, the per-call latency (median and p95) of each with
-the endpoint's added share, and the CPU each process spent per call. A third path,
-`endpoint-httpx`, posts the same JSON with httpx: the endpoint without the openai
-client's own CPU, which on a small machine competes with the engine.
+max_new_tokens. The agents run as threads of `--processes` processes of their own (as
+agent programs would), or all in one process (`endpoint-1-process`); `endpoint-httpx`
+posts the same JSON with httpx (the endpoint without the openai client's own CPU,
+which on a small machine competes with the engine). The direct path makes the same
+calls with the same prompt token ids from as many threads of this process. The paths
+take turns `--rounds` times; prints tokens/s of each and their ratio, the per-call
+latency (median and p95) of each with the endpoint's added share, and the CPU each
+process spent per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -61,13 +64,13 @@ def direct(rollout, prompts: list[list[int]], agents: int, calls: int, max_token
 
 
 def through_endpoint(
-    endpoint, url: str, agents: int, calls: int, max_tokens: int, client: str = "openai"
-):
-    """Returns (tokens, seconds, latencies) of agents x calls chat calls, agents taking
-    one task each from a batch of `agents` tasks (taken, and each agent's client made,
-    before the clock starts; ended after it stops). `client`: the official openai
-    client, or httpx posting the same JSON (what the endpoint costs without the
-    openai client's own CPU)."""
+    endpoint, url: str, pool, agents: int, calls: int, max_tokens: int, client: str
+) -> tuple[int, float, list[float], float]:
+    """Returns (tokens, seconds, latencies, client CPU seconds) of agents x calls chat
+    calls, agents taking one task each from a batch of `agents` tasks (taken, and each
+    agent's client made, before the clock starts; ended after it stops). The agents run
+    as threads of the pool's processes, `agents / processes` each, as agent programs of
+    their own would; with a pool of one process, all of them share one interpreter."""
     rows = train_prompts(DataConfig(), seed=0)
     batch = endpoint.run_batch.options(num_returns=2).remote(
         [rows.row(i) for i in range(agents)], 0, 1, 0
@@ -76,6 +79,24 @@ def through_endpoint(
     works = [
         httpx.get(f"{url}/v1/tasks/next", headers=headers, timeout=60).json() for _ in range(agents)
     ]
+    shares = [works[i :: pool._processes] for i in range(pool._processes)]
+    start_at = time.time() + 2.0  # every process has its clients made by then
+    played = pool.starmap(play, [(share, calls, max_tokens, client, start_at) for share in shares])
+    for work in works:
+        httpx.post(f"{url}/v1/traces/{work['trace_id']}/end", headers=headers, timeout=60)
+    ray.get(list(batch), timeout=300)
+    tokens = sum(p[0] for p in played)
+    seconds = max(p[2] for p in played) - min(p[1] for p in played)
+    latencies = [latency for p in played for latency in p[3]]
+    return tokens, seconds, latencies, sum(p[4] for p in played)
+
+
+def play(works: list[dict], calls: int, max_tokens: int, client: str, start_at: float):
+    """One agent process: returns (tokens, started, ended, latencies, CPU seconds) of
+    its agents' calls, made from `start_at` (time.time()). `client`: the official openai
+    client, or httpx posting the same JSON (the endpoint without the openai client's own
+    CPU)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
 
     def agent_of(work: dict):
         messages = [{"role": "user", "content": work["task"]["prompt"]}]
@@ -98,11 +119,11 @@ def through_endpoint(
 
         return call
 
-    result = timed([agent_of(work) for work in works], calls)
-    for work in works:
-        httpx.post(f"{url}/v1/traces/{work['trace_id']}/end", headers=headers, timeout=60)
-    ray.get(list(batch), timeout=300)
-    return result
+    agents = [agent_of(work) for work in works]
+    time.sleep(max(0.0, start_at - time.time()))
+    cpu, started = time.process_time(), time.time()
+    tokens, seconds, latencies = timed(agents, calls)
+    return tokens, started, started + seconds, latencies, time.process_time() - cpu
 
 
 def timed(agents: list, calls: int) -> tuple[int, float, list[float]]:
@@ -134,6 +155,9 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=32)
     parser.add_argument("--calls", type=int, default=16, help="calls per agent and round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--processes", type=int, default=4, help="agent processes, agents / processes each"
+    )
     args = parser.parse_args()
     rollout_config = RolloutConfig(in_flight_updates=True)  # as agent.enabled starts it
     model = resolve_model_path("builtin:tiny-arithmetic")
@@ -177,31 +201,44 @@ def main() -> int:
         for i in range(args.agents)
     ]
     max_tokens = rollout_config.max_new_tokens
-    direct(rollout, prompts, args.agents, 2, max_tokens)  # warm both paths up
-    through_endpoint(endpoint, url, args.agents, 2, max_tokens)
-    paths = ("direct", "endpoint", "endpoint-httpx")
+    context = multiprocessing.get_context("spawn")  # the agents' processes: no Ray in them
+    pools = {"many": context.Pool(args.processes), "one": context.Pool(1)}
+    paths = {  # name: (client, agent processes)
+        "direct": ("ray", None),
+        "endpoint": ("openai", "many"),
+        "endpoint-1-process": ("openai", "one"),
+        "endpoint-httpx": ("httpx", "many"),
+    }
+    direct(rollout, prompts, args.agents, 2, max_tokens)  # warm every path up
+    for client, pool in list(paths.values())[1:]:
+        through_endpoint(endpoint, url, pools[pool], args.agents, 2, max_tokens, client)
     totals = {name: [0, 0.0, []] for name in paths}
-    processes = {"client": psutil.Process()}
+    processes = {"client": psutil.Process()}  # for direct calls; else the agents' own
     for role, actor in (("rollout", rollout), ("agent", endpoint)):
         processes[role] = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
     cpu = {name: dict.fromkeys(processes, 0.0) for name in totals}
     for _ in range(args.rounds):
-        for name in paths:
+        for name, (client, pool) in paths.items():
             before = {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
-            if name == "direct":
+            if pool is None:
                 tokens, seconds, latencies = direct(
                     rollout, prompts, args.agents, args.calls, max_tokens
                 )
             else:
-                client = name.partition("-")[2] or "openai"
-                tokens, seconds, latencies = through_endpoint(
-                    endpoint, url, args.agents, args.calls, max_tokens, client
+                tokens, seconds, latencies, client_cpu = through_endpoint(
+                    endpoint, url, pools[pool], args.agents, args.calls, max_tokens, client
                 )
             for role, process in processes.items():
                 cpu[name][role] += sum(process.cpu_times()[:2]) - before[role]
+            if pool is not None:  # the clients are the agents' processes, not this one
+                cpu[name]["client"] += client_cpu - (
+                    sum(processes["client"].cpu_times()[:2]) - before["client"]
+                )
             totals[name][0] += tokens
             totals[name][1] += seconds
             totals[name][2] += latencies
+    for pool in pools.values():
+        pool.close()
     print(f"{args.agents} agents, {args.calls} calls each, {args.rounds} rounds per path")
     rates = {}
     for name, (tokens, seconds, latencies) in totals.items():
@@ -209,15 +246,15 @@ def main() -> int:
         median, p95 = statistics.median(latencies), percentile(latencies, 0.95)
         totals[name].append((median, p95))
         print(
-            f"{name:9s} {rates[name]:7.1f} tokens/s  latency median {median * 1000:6.1f} ms"
+            f"{name:18s} {rates[name]:7.1f} tokens/s  latency median {median * 1000:6.1f} ms"
             f"  p95 {p95 * 1000:6.1f} ms  ({len(latencies)} calls)"
         )
         per_call = ", ".join(
             f"{role} {seconds / len(latencies) * 1000:.1f}" for role, seconds in cpu[name].items()
         )
-        print(f"          CPU ms per call: {per_call}")
+        print(f"{'':18s} CPU ms per call: {per_call}")
     d_median, d_p95 = totals["direct"][3]
-    for name in paths[1:]:
+    for name in list(paths)[1:]:
         e_median, e_p95 = totals[name][3]
         print(
             f"{name} / direct: tokens/s {rates[name] / rates['direct']:.2f}x, latency "
