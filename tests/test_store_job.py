@@ -191,6 +191,19 @@ def test_posted_episodes_reach_s3_once_across_an_outage_and_ctrl_c_keeps_every_e
     assert len(ids) == 4 * len(prompts)
 
 
+GATE = """
+import os
+import time
+
+
+def gate(completions, **kwargs):
+    # Scores nothing until the test opens the gate: the run cannot end before its kills.
+    while not os.path.exists(os.environ["RLRAY_TEST_GATE"]):
+        time.sleep(0.05)
+    return [0.0 for _ in completions]
+"""
+
+
 def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(job_env, tmp_path):
     """jobs/collect.py scores every (prompt, sample) once and trains on none, through a
     dead rollout worker and a dead reward worker (the training driver's recovery);
@@ -199,36 +212,40 @@ def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(j
     run_dir = tmp_path / "collect"
     nowhere = f"http://127.0.0.1:{free_port()}"
     collect = [sys.executable, str(REPO / "jobs" / "collect.py")]
+    rewards = tmp_path / "gate.py"
+    rewards.write_text(GATE)
+    opened = tmp_path / "open"
     args = [
         *["--prompts", "96", "--rollout.prompts_per_batch", "8", "--run-dir", str(run_dir)],
         *["--store.path", "s3://episodes/rl", "--store.s3_endpoint_url", nowhere],
         *["--store.upload_timeout_s", "3"],
+        *["--reward.functions", f"[{{name: exact_match}}, {{name: '{rewards}:gate'}}]"],
     ]
-    output = tmp_path / "collect.out"
-    with output.open("w") as out:
+    with (tmp_path / "collect.out").open("w") as out:
         job = subprocess.Popen(
             [*collect, *args],
             cwd=REPO,
-            env={**job_env, **AWS_ENV, "PYTHONUNBUFFERED": "1"},  # each line as printed
+            env={**job_env, **AWS_ENV, "RLRAY_TEST_GATE": str(opened)},
             stdout=out,
             stderr=subprocess.PIPE,
             text=True,
         )
     try:
-        # The driver keeps the rollout worker busy: after its first batch it is in its
-        # second (or about to be). The reward worker dies halfway through the run.
-        wait_until(lambda: "collected 32 episodes" in output.read_text())
+        # Kept from scoring by the gate, the run is at its first batch or two: the
+        # rollout worker dies before, in or between its calls, the reward worker in
+        # its first (or before it), and the run goes on.
+        wait_until(lambda: (run_dir / "placement.json").exists())
         kill(run_dir, "rollout-0")
-        wait_until(lambda: "collected 192 episodes" in output.read_text())
         kill(run_dir, "reward-0")
+        opened.touch()
         _, stderr = job.communicate(timeout=600)
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    # The rollout worker died in or between calls, the reward worker too; Ray restarted
-    # each once, and the driver's recovery saw it.
-    assert summary["actor_restarts"].get("rollout-0") == 1, (summary, stderr[-3000:])
+    # Ray restarted each once, and the driver counted it.
+    restarts = summary["actor_restarts"]
+    assert restarts == {"rollout-0": 1, "reward-0": 1}, (summary, stderr[-3000:])
     spool = run_dir / "episode-spool"
     assert f"they wait in {spool}" in stderr
     spooled = sorted(spool.glob("*.data"))
