@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from rlray.episodes.reader import read
-from tests.jobs_helper import REPO, metrics
+from tests.jobs_helper import REPO, kill, metrics
+from tests.test_store_job import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +35,15 @@ def documented_loop(tmp_path: Path) -> Path:
 
 
 def run_with_agents(
-    job: list[str], env: dict[str, str], out: Path, agents: list[list[str]]
+    job: list[str],
+    env: dict[str, str],
+    out: Path,
+    agents: list[list[str]],
+    while_running: Callable[[str], None] | None = None,
 ) -> tuple[str, list[str]]:
     """Runs a job and, once it prints its agent endpoint, each agent program against it
-    (its arguments, then the URL); returns (the job's stdout, each agent's stdout),
-    failing unless every one succeeded."""
+    (its arguments, then the URL), then `while_running(url)` if given; returns (the
+    job's stdout, each agent's stdout), failing unless every one succeeded."""
     env = {**env, "RLRAY_AGENT_TOKEN": TOKEN}
     errors = out.with_suffix(".err")
     with errors.open("w") as stderr:
@@ -62,6 +69,8 @@ def run_with_agents(
                 )
                 for agent in agents
             ]
+            if while_running is not None:
+                while_running(url)
             outputs = [agent.communicate(timeout=600) for agent in running]
             rest = process.communicate(timeout=600)[0].decode()
         finally:
@@ -72,15 +81,35 @@ def run_with_agents(
     return "".join(lines) + rest, [stdout for stdout, _ in outputs]
 
 
+def calls_served(url: str) -> int:
+    request = urllib.request.Request(
+        f"{url}/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["calls"]
+
+
 def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job_env, tmp_path):
     run_dir = tmp_path / "train"
     train = [str(REPO / "jobs" / "ppo.py"), "--config", str(REPO / "examples/solve_and_check.yaml")]
     train += ["--learner.steps", "2", "--learner.eval_every", "2", "--run-dir", str(run_dir)]
     train += ["--rollout.prompts_per_batch", "16"]
     agents = [[str(AGENT), "--agents", "8"], [str(documented_loop(tmp_path))]]
-    output, _ = run_with_agents(train, job_env, tmp_path / "train.out", agents)
 
+    def kill_the_engine_mid_batch(url: str) -> None:
+        # The agents are playing the first batch: its worker dies under their calls,
+        # which no call of the driver meets.
+        wait_until(lambda: calls_served(url) >= 8, every_s=0.1)
+        kill(run_dir, "rollout-0")
+
+    output, _ = run_with_agents(
+        train, job_env, tmp_path / "train.out", agents, kill_the_engine_mid_batch
+    )
+    # The driver found the restarted worker and gave it the weights; the agents' calls,
+    # answered 503 meanwhile, went on within the same traces: none was dropped.
     steps = metrics(run_dir)
+    assert steps[-1]["actor_restarts"] == {"rollout-0": 1}
+    assert "rollout-0 died under the agents' calls" in (tmp_path / "train.err").read_text()
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["agent_traces_dropped"] == 0 for m in steps)
     assert all(m["logprob_parity_error"] < 1e-4 for m in steps)  # after every sync

@@ -73,7 +73,9 @@ class Run:
 
 def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]:
     """Plays one task; posts and returns its reward components."""
-    client = OpenAI(base_url=work["base_url"], api_key=run.token)
+    # While a rollout engine restarts, its calls are answered 503 with Retry-After: 1 for
+    # the seconds it takes; the client asks again (twice by default).
+    client = OpenAI(base_url=work["base_url"], api_key=run.token, max_retries=60)
     task, trace = work["task"], work["trace_id"]
 
     calls: dict[str, bool] = {}  # each call's response id: whether its answer is right

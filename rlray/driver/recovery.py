@@ -68,6 +68,14 @@ class Recovery:
             restore(name)
         self.count_restarts()  # one death fails every call in flight: count it once
 
+    def restore_restarted(self, names: list[str]) -> None:
+        """Restores those of the actors `names` that Ray restarted since the driver last
+        counted: deaths no call of the driver met (the agent endpoint's calls did)."""
+        counts = self.actors.restart_counts()
+        for name in names:
+            if counts.get(name, 0) > self.restarts.get(name, 0):
+                self.recover(name, ActorFailure(f"{name} died under the agents' calls", died=True))
+
     def count_restarts(self) -> dict[str, int]:
         """Returns Ray's count of each actor's restarts in this run, logging each new one
         (an endpoint's too, which no call of the driver may meet)."""

@@ -28,6 +28,9 @@ from rlray.observe.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
 
+AGENT_WORKER_CHECK_S = 2.0
+"""With the agent endpoint, how often a waiting driver looks for restarted rollout workers."""
+
 
 @dataclass
 class InFlight:
@@ -202,7 +205,7 @@ class Rollouts:
         generating = [item.generate_stats for item in self.in_flight if item.generated is None]
         pending = generating + [i.score_stats for i in self.in_flight if i.scored is None]
         started = time.perf_counter()
-        ready, _ = ray.wait(pending, num_returns=1, timeout=timeout)
+        ready = self._wait_for_one(pending, timeout)
         waited = time.perf_counter() - started
         self.clock.add("generation" if generating else "scoring", waited)
         if not generating:
@@ -221,6 +224,22 @@ class Rollouts:
                     self._scored(item)
             while self.in_flight and self.in_flight[0].scored is not None:
                 self.deliver(self.in_flight.pop(0))
+
+    def _wait_for_one(self, pending: list[Any], timeout_s: float) -> list[Any]:
+        """Returns the first of `pending` to be ready within `timeout_s` ([] if none).
+        With the agent endpoint, a rollout worker that died is met by the endpoint's
+        calls, not the driver's: every AGENT_WORKER_CHECK_S the driver looks for
+        restarted workers and gives them their weights, so that agents' calls, answered
+        503 meanwhile, are served again within the batch."""
+        if self.actors.agent is None:
+            return ray.wait(pending, num_returns=1, timeout=timeout_s)[0]
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            left = deadline - time.perf_counter()
+            ready, _ = ray.wait(pending, num_returns=1, timeout=min(AGENT_WORKER_CHECK_S, left))
+            if ready or left <= AGENT_WORKER_CHECK_S:
+                return ready
+            self.recovery.restore_restarted(self.actors.rollout_names)
 
     def _generated(self, item: InFlight) -> bool:
         """Takes a finished generation's stats; returns False if its worker died and the
