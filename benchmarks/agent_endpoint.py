@@ -166,6 +166,7 @@ def main() -> int:
     rollout = (
         ray.remote(RolloutActor)
         .options(
+            name="rollout-0",
             num_cpus=1,
             max_concurrency=args.agents + 2,
             runtime_env={"env_vars": vllm_env(rollout_config)},
@@ -180,7 +181,6 @@ def main() -> int:
             AgentConfig(enabled=True, token=TOKEN),
             TOKEN,
             model,
-            [rollout],
             ["rollout-0"],
             limits,
             "bench",

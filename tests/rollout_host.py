@@ -22,6 +22,9 @@ from rlray.rollout.worker import vllm_env
 
 # Every test's rollout uses this config, so one vllm_env serves them all. Its engines take
 # weights both ways: published objects and vLLM's weight transfer (over gloo here).
+HOST_NAME = "rollout-host"
+"""The session's RolloutHost actor's name (the agent endpoint finds rollout actors by name)."""
+
 ROLLOUT = RolloutConfig(samples_per_prompt=2, max_new_tokens=8, weight_sync="gloo")
 
 
@@ -83,7 +86,7 @@ def started_host() -> Iterator:
     environment (read when its process starts, as by a RolloutActor's); kills it after."""
     host = (
         ray.remote(RolloutHost)
-        .options(num_cpus=1, runtime_env={"env_vars": vllm_env(ROLLOUT)})
+        .options(name=HOST_NAME, num_cpus=1, runtime_env={"env_vars": vllm_env(ROLLOUT)})
         .remote()
     )
     try:

@@ -20,18 +20,18 @@ from rlray.cluster.roles import AgentActor
 from rlray.config import AgentConfig
 from rlray.core.prompt import PromptRow
 from rlray.data.models import resolve_model_path
-from tests.rollout_host import rollout_actor
+from tests.rollout_host import HOST_NAME, rollout_actor
 
 TOKEN = "agent-secret"
 LIMITS = CallLimits(max_model_len=64, max_new_tokens=8, trace_tokens=24, max_calls=4)
 
 
-def start_agent_actor(host: Any, model: str, **config: Any) -> tuple[Any, str]:
+def start_agent_actor(model: str, **config: Any) -> tuple[Any, str]:
     settings = AgentConfig(enabled=True, token=TOKEN, task_wait_s=1.0, **config)
     actor = (
         ray.remote(AgentActor)
         .options(max_concurrency=80)
-        .remote(settings, TOKEN, model, [host], ["rollout-0"], LIMITS, "tests")
+        .remote(settings, TOKEN, model, [HOST_NAME], LIMITS, "tests")
     )
     return actor, ray.get(actor.url.remote(), timeout=120)
 
@@ -40,7 +40,7 @@ def start_agent_actor(host: Any, model: str, **config: Any) -> tuple[Any, str]:
 def endpoint(rollout_host):
     model = resolve_model_path("builtin:tiny-arithmetic")
     with rollout_actor(rollout_host, Path(model), "float32") as host:
-        actor, url = start_agent_actor(host, model)
+        actor, url = start_agent_actor(model)
         yield actor, url, host, model
         ray.kill(actor)
 
@@ -211,8 +211,8 @@ def test_64_concurrent_agents_lose_and_double_no_trace(endpoint):
 
 
 def test_a_trace_never_ended_is_dropped_and_counted_never_trained(endpoint):
-    _, _, host, model = endpoint
-    actor, url = start_agent_actor(host, model, trace_timeout_s=2.0)
+    *_, model = endpoint
+    actor, url = start_agent_actor(model, trace_timeout_s=2.0)
     try:
         refs = batch(actor, 1, samples=2)
         kept, abandoned = next_task(url).json(), next_task(url).json()
@@ -231,8 +231,8 @@ def test_a_trace_never_ended_is_dropped_and_counted_never_trained(endpoint):
 
 
 def test_tasks_wait_for_work_then_end_when_the_run_needs_no_more(endpoint):
-    _, _, host, model = endpoint
-    actor, url = start_agent_actor(host, model)
+    *_, model = endpoint
+    actor, url = start_agent_actor(model)
     try:
         waiting = next_task(url)  # no batch yet: after agent.task_wait_s, ask again
         assert waiting.status_code == 503 and waiting.headers["Retry-After"] == "1"

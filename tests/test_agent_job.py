@@ -134,18 +134,34 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     assert kinds == {"model_call", "event", "reward"}
     assert sum(e["trained_at"] is not None for e in episodes) > 0
 
-    # Collect-only: the trained policy serves the agent on the held-out prompts.
+    # Collect-only: the trained policy serves the agent on the held-out prompts, and
+    # the endpoint dies under the agents' calls.
     policy = run_dir / "checkpoints" / "step-000002" / "policy"
     held_out = tmp_path / "held-out"
     collect = [str(REPO / "jobs" / "collect.py"), "--held-out", "--agent.enabled", "true"]
     collect += ["--model.path", str(policy), "--run-dir", str(held_out)]
-    collect += ["--data.eval_size", "8", "--rollout.prompts_per_batch", "8"]
+    collect += ["--data.eval_size", "24", "--rollout.prompts_per_batch", "8"]
     collect += ["--rollout.samples_per_prompt", "1", "--rollout.max_turns", "6"]
+
+    def kill_the_endpoint_mid_batch(url: str) -> None:
+        wait_until(lambda: calls_served(url) >= 4, every_s=0.05)
+        kill(held_out, "agent")
+
     _, (played,) = run_with_agents(
-        collect, job_env, tmp_path / "collect.out", [[str(AGENT), "--agents", "8"]]
+        collect,
+        job_env,
+        tmp_path / "collect.out",
+        [[str(AGENT), "--agents", "8"]],
+        kill_the_endpoint_mid_batch,
     )
-    assert played.startswith("solve_and_check: 8 tasks")
+    # Ray restarted it on the same URL; the traces it held were lost, their agents
+    # left them on a 404, and the driver handed their tasks out again: each held-out
+    # prompt is one stored trace (the agent may have finished a lost one, too).
+    summary = json.loads((held_out / "summary.json").read_text())
+    assert summary["actor_restarts"] == {"agent": 1}
+    assert int(played.split()[1]) >= 24, played
     stored = read(str(held_out / "episodes")).to_pylist()
-    assert len({json.loads(e["columns"])["trace_id"] for e in stored}) == 8
+    traces = {json.loads(e["columns"])["trace_id"]: e["prompt_index"] for e in stored}
+    assert sorted(traces.values()) == list(range(24))
     assert all(e["trained_at"] is None for e in stored)
     assert "agent endpoint: http://127.0.0.1:" in output

@@ -22,6 +22,9 @@ store shows the trace turn by turn.
     python examples/agents/solve_and_check.py http://127.0.0.1:PORT --agents 8
 
 `--agents N` plays N tasks at once (threads); every agent exits when the run is done.
+A task whose trace the run no longer knows (404, 409: its endpoint restarted, or the
+trace timed out), or whose endpoint went away under it, is left, and the agent takes
+the next; while the endpoint is unreachable, it asks again for up to a minute.
 """
 
 from __future__ import annotations
@@ -34,12 +37,20 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
-from openai import OpenAI
+from openai import (
+    APIConnectionError,
+    ConflictError,
+    InternalServerError,
+    NotFoundError,
+    OpenAI,
+)
 
 ROUNDS = 3
 COMPONENTS = ("correct", "quality", "coordination")
+UNREACHABLE_S = 60.0  # how long the endpoint may be unreachable (restarting)
 
 
 class Run:
@@ -57,6 +68,7 @@ class Run:
 
     def next_task(self) -> dict[str, Any] | None:
         """Returns the next task, or None once the run needs no more (204)."""
+        unreachable_since = None
         while True:
             try:
                 status, work = self.request("GET", "/v1/tasks/next")
@@ -65,24 +77,46 @@ class Run:
                     raise
                 time.sleep(float(err.headers.get("Retry-After", "1")))
                 continue
+            except (urllib.error.URLError, ConnectionError):  # restarting, or gone
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_S:
+                    raise
+                time.sleep(1.0)
+                continue
             return None if status == 204 else work
 
     def post(self, trace_id: str, what: str, body: dict[str, Any]) -> None:
         self.request("POST", f"/v1/traces/{trace_id}/{what}", body)
 
 
+def retried(call: Callable[[], Any]) -> Any:
+    """Returns call()'s result, asked again every second while the endpoint answers 503
+    or is unreachable, for up to UNREACHABLE_S."""
+    started = time.monotonic()
+    while True:
+        try:
+            return call()
+        except (APIConnectionError, InternalServerError) as err:  # 503 is one
+            busy = isinstance(err, APIConnectionError) or err.status_code == 503
+            if not busy or time.monotonic() - started > UNREACHABLE_S:
+                raise
+            time.sleep(1.0)
+
+
 def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]:
     """Plays one task; posts and returns its reward components."""
-    # While a rollout engine restarts, its calls are answered 503 with Retry-After: 1 for
-    # the seconds it takes; the client asks again (twice by default).
-    client = OpenAI(base_url=work["base_url"], api_key=run.token, max_retries=60)
+    # Retried here, once a second: while a rollout engine restarts its calls are
+    # answered 503 (Retry-After: 1), while the endpoint restarts they are refused.
+    client = OpenAI(base_url=work["base_url"], api_key=run.token, max_retries=0)
     task, trace = work["task"], work["trace_id"]
 
     calls: dict[str, bool] = {}  # each call's response id: whether its answer is right
 
     def ask(role: str, messages: list[dict[str, str]]) -> str:
-        reply = client.chat.completions.create(
-            model=role, messages=messages, temperature=temperature
+        reply = retried(
+            lambda: client.chat.completions.create(
+                model=role, messages=messages, temperature=temperature
+            )
         )
         answer = reply.choices[0].message.content or ""
         calls[reply.id] = answer.strip() == str(task["answer"])
@@ -113,7 +147,15 @@ def play(run: Run, work: dict[str, Any], temperature: float) -> dict[str, float]
 def agent(run: Run, temperature: float, outcomes: list[dict], failures: list[str]) -> None:
     try:
         while (work := run.next_task()) is not None:
-            outcomes.append(play(run, work, temperature))
+            try:
+                outcomes.append(play(run, work, temperature))
+            except (NotFoundError, ConflictError):  # the run no longer knows the trace
+                continue
+            except urllib.error.HTTPError as err:
+                if err.code not in (404, 409):
+                    raise
+            except (urllib.error.URLError, ConnectionError):  # it went away mid-trace
+                continue
     except Exception as err:  # reported by main
         failures.append(f"{type(err).__name__}: {err}")
 

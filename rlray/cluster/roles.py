@@ -320,12 +320,13 @@ class AgentActor:
         config: AgentConfig,
         token: str,
         model_path: str,
-        workers: list[Any],
         worker_names: list[str],
         limits: CallLimits,
         run_id: str,
     ):
-        self.workers = workers
+        # The rollout actors by name, not handles passed in: Ray keeps an actor's handle
+        # arguments in the object store, which a restart could not count on.
+        self.workers = [ray.get_actor(name) for name in worker_names]
         self.gateway = AgentGateway(
             token,
             load_tokenizer(model_path),

@@ -13,6 +13,7 @@ endpoint's own business.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from typing import Any
 
@@ -27,6 +28,14 @@ from rlray.cluster.calls import ActorRestarted
 class EndpointUnavailable(Exception):
     """An actor the endpoint needs is dead or restarting: its client is answered 503
     with Retry-After, and retries."""
+
+
+def free_port(host: str) -> int:
+    """Returns a TCP port of `host` (an address of this node) that was free a moment ago:
+    an endpoint asked for port 0 gets one for good, to listen on again when restarted."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def endpoint_options(name: str, max_concurrency: int = 64) -> dict[str, Any]:

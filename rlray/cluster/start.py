@@ -32,7 +32,7 @@ from rlray.cluster.roles import (
     RolloutActor,
     StoreActor,
 )
-from rlray.cluster.serving import endpoint_options
+from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.data.models import model_limits
@@ -510,15 +510,15 @@ def start_agent(config: Config, actors: Actors, model_path: str, run_id: str) ->
         max_calls=config.agent.max_calls_per_trace,
     )
     options = endpoint_options("agent", max_concurrency=config.agent.max_concurrent_calls + 8)
-    options["max_restarts"] = 0  # traces in progress live in its process
+    # Restarted by Ray, it listens on the same port: agent.port 0 is settled here.
+    agent = replace(config.agent, port=config.agent.port or free_port(config.agent.host))
     actors.agent = (
         ray.remote(AgentActor)
         .options(**options)
         .remote(
-            config.agent,
+            agent,
             agent_token(config.agent),
             model_path,
-            actors.rollout,
             actors.rollout_names,
             limits,
             run_id,

@@ -244,7 +244,7 @@ class Rollouts:
     def _generated(self, item: InFlight) -> bool:
         """Takes a finished generation's stats; returns False if its worker died and the
         batch was started again on the restarted worker."""
-        name = self.rollout_name(item)
+        name = "agent" if self.actors.agent is not None else self.rollout_name(item)
         try:
             stats = self.recovery.call(name, item.generate_stats, "generate")
         except ActorFailure as err:
