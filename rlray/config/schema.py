@@ -551,7 +551,8 @@ class AgentConfig:
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: int = field(default=0, metadata={"range": Range(0, high=65535)})
-    """Port to listen on; 0 picks a free one (the job prints the URL)."""
+    """Port to listen on; 0 picks a free one when the run starts (the job prints the URL),
+    which the endpoint listens on again if Ray restarts it."""
     token: str = ""
     """Bearer token every request must send (the openai client's api_key); empty: the
     RLRAY_AGENT_TOKEN environment variable. Required. Never written to the run directory."""
