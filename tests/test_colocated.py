@@ -61,6 +61,7 @@ def colocated(**fields) -> Config:
 def test_a_colocated_engine_takes_its_weights_in_memory():
     config = colocated()
     validate(config)
+    validate(colocated(rollout__num_workers=2, learner__num_workers=2))  # a group
     assert weight_sync(config) == "in_memory"
     config.ray.placement = "disaggregated"
     assert weight_sync(config) == "object_store"
@@ -73,11 +74,6 @@ def test_a_colocated_engine_takes_its_weights_in_memory():
             {"rollout__num_workers": 2},
             r"^rollout.num_workers \(2\) must equal learner.num_workers \(1\) with ray.placement "
             "colocated",
-        ),
-        (
-            {"rollout__num_workers": 2, "learner__num_workers": 2},
-            r"^learner.num_workers > 1 with ray.placement colocated: a colocated learner group "
-            "is not built yet",
         ),
         (
             {"rollout__weight_sync": "gloo"},

@@ -43,10 +43,10 @@ TRAINING_VALUES = (
 @pytest.fixture(scope="module")
 def five_step_runs(job_env, tmp_path_factory):
     """A 5-step run; the same run colocated (the learner and its engine in one process);
-    and a 3-step run of the same config and seed with a group of 2 learners sending
-    weights through vLLM's weight transfer (gloo), run at the same time (their timings
-    differ, their steps must not), that is then resumed to step 5 with 1 learner and the
-    object store."""
+    a 4-step colocated run of 2 learners, each with its own engine; and a 3-step run of
+    the same config and seed with a group of 2 learners sending weights through vLLM's
+    weight transfer (gloo), run at the same time (their timings differ, their steps must
+    not), that is then resumed to step 5 with 1 learner and the object store."""
     root = tmp_path_factory.mktemp("runs")
     runs = {"a": ["--learner.steps", "5"], "resumed": ["--learner.steps", "3"]}
     runs["resumed"] += ["--learner.num_workers", "2", "--rollout.weight_sync", "gloo"]
@@ -54,6 +54,12 @@ def five_step_runs(job_env, tmp_path_factory):
     # they change nothing (RolloutConfig.in_flight_updates).
     runs["colocated"] = ["--learner.steps", "5", "--ray.placement", "colocated"]
     runs["colocated"] += ["--rollout.in_flight_updates", "true"]
+    # A colocated group: two learners, each in the process of its own engine; a CPU each;
+    # two batches a step, one for each engine.
+    runs["colocated-group"] = ["--learner.steps", "4", "--ray.placement", "colocated"]
+    runs["colocated-group"] += ["--learner.num_workers", "2", "--rollout.num_workers", "2"]
+    runs["colocated-group"] += ["--rollout.prompts_per_batch", "4"]
+    runs["colocated-group"] += ["--learner.cpus", "0.5", "--rollout.cpus_per_worker", "0.5"]
     results = run_jobs_at_once(
         [[*SHORT_RUN, *args, "--run-dir", str(root / name)] for name, args in runs.items()],
         job_env,
@@ -299,6 +305,41 @@ def test_a_colocated_run_takes_the_disaggregated_runs_steps(five_step_runs):
         summary["final_eval_accuracy"]
         == json.loads((root / "a" / "summary.json").read_text())["final_eval_accuracy"]
     )
+
+
+@pytest.mark.slow
+def test_a_colocated_learner_group_loads_each_engine_with_the_groups_weights(five_step_runs):
+    """Each learner of a group of 2 in the process of its own engine: the FSDP2 group and
+    vLLM's engines share torch.distributed's group, every engine loads the whole weights
+    from its own learner in memory, and each engine's samples are the group's policy."""
+    root, done = five_step_runs
+    run = root / "colocated-group"
+    assert done["colocated-group"].returncode == 0, done["colocated-group"].stderr[-3000:]
+    records = metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert record["weight_sync"] == "in_memory"
+        loaded = {"rollout-0": record["step"], "rollout-1": record["step"]}
+        assert record["weight_versions_loaded"] == loaded
+        assert record["logprob_parity_error"] <= 1e-4
+    placement = json.loads((run / "placement.json").read_text())
+    assert placement["rollout-0"]["pid"] == placement["learner"]["pid"]
+    assert placement["rollout-1"]["pid"] == placement["learner-1"]["pid"]
+    assert placement["rollout-0"]["pid"] != placement["rollout-1"]["pid"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"rollout-0+learner", "rollout-1+learner-1"} <= set(
+        summary["memory_peak_by_process_gib"]
+    )
+    optimizer = run / "checkpoints" / "step-000003" / "optimizer"
+    assert sorted(p.name for p in optimizer.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # The group's step-3 checkpoint, loaded by transformers alone, reproduces the
+    # logprobs each engine sampled with after loading version 3, and not version 2's.
+    step3 = load_policy(checkpoint_dir(run, 3))
+    episodes = stored_episodes(run)
+    for worker in ("rollout-0", "rollout-1"):
+        mine = [e for e in episodes if e.rollout_worker == worker]
+        assert plain_logprob_gap(step3, [e for e in mine if e.policy_version == 3]) <= 1e-4
+        assert plain_logprob_gap(step3, [e for e in mine if e.policy_version == 2]) > 0.1
 
 
 @pytest.mark.slow

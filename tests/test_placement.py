@@ -128,6 +128,18 @@ def test_a_colocated_learner_and_engine_take_one_bundle_of_both_roles_cpus_and_t
     ]
 
 
+def test_a_colocated_group_takes_a_bundle_per_learner_with_its_engine():
+    from rlray.cluster.placement import colocated_resources
+    from rlray.config import validate
+
+    config = one_gpu_colocated_config()
+    config.learner.num_workers = config.rollout.num_workers = 2
+    validate(config)
+    # One group, packed: each rank's learner and engine share its one GPU.
+    bundle = {"CPU": 2.0, "GPU": 1.0}
+    assert colocated_resources(config).groups() == [([bundle, bundle], "PACK")]
+
+
 ONE_GPU_PROBE = textwrap.dedent(
     """
     import json, ray

@@ -14,6 +14,14 @@ The driver needs no other path: the one handle is both a run's `rollout-<i>` and
 `learner`, and its calls queue in the order the driver makes them. A colocated actor is
 not restarted by Ray (its learner's weights would be lost); the run resumes from its
 checkpoint, as after a learner's death.
+
+A learner group (learner.num_workers > 1) is a colocated actor per rank, each with its
+own engine, as veRL lays it out. vLLM's engine sets up torch.distributed's default group
+in its process unless one exists, and takes an existing one as data-parallel replicas
+of itself (its tensor-parallel groups of one rank each; measured, vLLM 0.32's CPU
+build: each rank generates on its own, and the learners' collectives run on the same
+group). So in a group the learners join their group first and each builds its engine
+after (`setup`); every rank gathers the whole weights for its own engine.
 """
 
 from __future__ import annotations
@@ -66,17 +74,37 @@ class ColocatedActor(RolloutActor, LearnerActor):
         learner_kwargs: dict[str, Any],
         engine_log: str | None = None,
     ):
-        on_gpu = rollout_args[3].gpus_per_worker > 0  # the RolloutConfig
-        RolloutActor.__init__(
-            self, *rollout_args, awaits_weights=False, engine_log=engine_log, sleep_mode=on_gpu
-        )
         LearnerActor.__init__(self, *learner_args, **learner_kwargs)
+        self.rollout_args, self.engine_log = rollout_args, engine_log
+        if self.world_size == 1:  # no group to join first: the engine starts with the actor
+            self._start_engine()
+
+    def _start_engine(self) -> None:
+        on_gpu = self.rollout_args[3].gpus_per_worker > 0  # the RolloutConfig
+        RolloutActor.__init__(
+            self,
+            *self.rollout_args,
+            awaits_weights=False,
+            engine_log=self.engine_log,
+            sleep_mode=on_gpu,
+        )
         # Level 1: the KV cache is freed and the weights go to host memory; the next
         # weight load overwrites them after the wake-up.
         self.turns = EngineTurns(
             (lambda: self.llm.sleep(level=1)) if on_gpu else None,
             self.llm.wake_up if on_gpu else None,
         )
+
+    def setup(self, address: str, port: int, timeout_s: float) -> None:
+        """Joins the learner group, starts the engine if it waited for the group (see the
+        module's docstring), then builds the Learner."""
+        # as in LearnerActor.setup
+        from rlray.learner.rl import Learner
+
+        self._join(address, port, self.learner_kwargs.get("device", "cpu"), timeout_s)
+        if not hasattr(self, "llm"):
+            self._start_engine()
+        self.learner = Learner(*self.learner_args, **self.learner_kwargs)
 
     # The engine's turn.
 
@@ -100,7 +128,8 @@ class ColocatedActor(RolloutActor, LearnerActor):
         # torch loads in colocated processes only (the driver imports this module)
         from rlray.weights.packing import weights_for_vllm
 
-        weights = self.learner.published_weights()  # the learner's device, then host memory
+        # The learner's device, then host memory; every rank of a group keeps them.
+        weights = self.learner.published_weights(every_rank=True)
         self.turns.engine()
         architecture = self.llm.model_config.architecture
         weights = weights_for_vllm(weights, self.learner.tied_output, architecture)

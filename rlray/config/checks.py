@@ -124,12 +124,6 @@ def _colocation(config: Config) -> None:
             f"({learner.num_workers}) with ray.placement colocated: each learner shares "
             "its process and devices with one rollout engine"
         )
-    if learner.num_workers > 1:
-        raise ConfigError(
-            "learner.num_workers > 1 with ray.placement colocated: a colocated learner "
-            "group is not built yet (vLLM's engine holds the process's default "
-            "torch.distributed group); use ray.placement disaggregated"
-        )
     if r.weight_sync != "auto":
         raise ConfigError(
             f"rollout.weight_sync {r.weight_sync} with ray.placement colocated: a colocated "

@@ -613,7 +613,8 @@ class RayConfig:
     learner.gpus GPUs), taking turns with all of them: generation, then training;
     weights go to the engine in memory, and on GPU the engine sleeps (KV cache freed,
     weights offloaded) while the learner trains. What one GPU or one laptop needs:
-    rollout.num_workers must equal learner.num_workers."""
+    rollout.num_workers must equal learner.num_workers (each learner of a group with
+    an engine of its own)."""
 
 
 @dataclass

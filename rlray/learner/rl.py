@@ -416,9 +416,11 @@ class Learner:
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def published_weights(self) -> dict[str, torch.Tensor]:
-        """Returns the HF-named weights the rollout workers load, in their dtype, on CPU."""
-        keep = self.engine.rank == 0  # the group's rank 0 publishes
+    def published_weights(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
+        """Returns the HF-named weights the rollout workers load, in their dtype, on CPU:
+        on the group's rank 0 ({} on the others), or on `every_rank` (each colocated
+        learner loads its own engine). Every learner of a group calls it at once."""
+        keep = every_rank or self.engine.rank == 0
         return publishable_weights(self.engine.policy, self.rollout_dtype, keep=keep)
 
     def open_weight_transfer(
