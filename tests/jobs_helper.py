@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,12 +55,13 @@ def run_job(
 
 
 def run_example(
-    example: str, steps: int, run_dir: Path, env: dict[str, str]
+    example: str, steps: int, run_dir: Path, env: dict[str, str], more: Sequence[str] = ()
 ) -> subprocess.CompletedProcess:
-    """Returns the finished job of examples/EXAMPLE.yaml for `steps` steps, evaluated at
-    the start and the end, in `run_dir`; fails the caller unless it succeeded."""
+    """Returns the finished job of examples/EXAMPLE.yaml (and `more` arguments) for
+    `steps` steps, evaluated at the start and the end, in `run_dir`; fails the caller
+    unless it succeeded."""
     args = ["--config", str(REPO / "examples" / f"{example}.yaml"), "--learner.steps", str(steps)]
-    args += ["--learner.eval_every", str(steps), "--run-dir", str(run_dir)]
+    args += ["--learner.eval_every", str(steps), "--run-dir", str(run_dir), *more]
     result = run_job(args, env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result

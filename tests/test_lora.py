@@ -210,8 +210,9 @@ def test_checkpoint_with_lora_does_not_resume_a_run_without(model_path, device, 
 
 @pytest.mark.slow
 def test_lora_job_learns_with_logprob_parity(job_env, tmp_path):
-    """python jobs/ppo.py with LoRA adapters on the default task: held-out accuracy rises
-    and vLLM's logprobs match the learner's after every sync of the merged weights."""
+    """python jobs/ppo.py with LoRA adapters on the default task, colocated: held-out
+    accuracy rises and vLLM's logprobs match the learner's after every sync of the
+    merged weights, handed to the engine in memory."""
     run_dir = tmp_path / "lora"
     # Default-sized steps, strictly on-policy, lr 1e-3. Measured by hand (2 cores): on an
     # AVX2 machine 0.150 -> 0.450 held-out accuracy in 10 steps; on an AVX-512 one, whose
@@ -221,11 +222,12 @@ def test_lora_job_learns_with_logprob_parity(job_env, tmp_path):
     args = ["--learner.steps", "15", "--learner.eval_every", "15", "--data.eval_size", "100"]
     args += ["--buffer.max_staleness", "0", "--learner.checkpoint_every", "15"]
     lora = ["--model.lora.rank", "8", "--learner.lr", "1e-3", "--run-dir", str(run_dir)]
-    result = run_job([*args, *lora], job_env)
+    result = run_job([*args, *lora, "--ray.placement", "colocated"], job_env)
     assert result.returncode == 0, result.stderr[-3000:]
     records = metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 16))
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
+    assert all(r["weight_sync"] == "in_memory" for r in records)
     summary = json.loads((run_dir / "summary.json").read_text())
     initial, final = summary["initial_eval_accuracy"], summary["final_eval_accuracy"]
     assert final > initial + 0.05, (initial, final)

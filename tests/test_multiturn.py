@@ -215,9 +215,11 @@ def test_a_slow_environment_does_not_hold_the_other_trajectories(tiny_rollout):
 
 @pytest.fixture(scope="module")
 def calculator_run(job_env, tmp_path_factory):
-    """Six steps of the built-in calculator task, as examples/calculator.yaml runs it."""
+    """Six steps of the built-in calculator task, as examples/calculator.yaml runs it
+    (a batch ahead), colocated: the learner and its engine in one process, taking turns."""
     run_dir = tmp_path_factory.mktemp("calculator") / "run"
-    return run_dir, run_example("calculator", 6, run_dir, job_env)
+    colocated = ["--ray.placement", "colocated"]
+    return run_dir, run_example("calculator", 6, run_dir, job_env, colocated)
 
 
 def test_the_calculator_task_learns_to_call_the_tool(calculator_run):
@@ -233,6 +235,13 @@ def test_the_calculator_task_learns_to_call_the_tool(calculator_run):
     # Parity is checked on the policy's tokens only: the calculator's answers carry no
     # logprob of the policy and would be far off.
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
+    # Colocated, a batch ahead: each batch made by the weights of the step before.
+    assert all(r["weight_sync"] == "in_memory" for r in records)
+    assert [r["weight_versions_loaded"] for r in records] == [
+        {"rollout-0": r["step"]} for r in records
+    ]
+    assert all(0 <= r["staleness_mean"] <= 1 for r in records)
+    assert any(r["staleness_mean"] > 0 for r in records)
 
 
 def test_a_stored_calculator_episode_reads_back_turn_by_turn(calculator_run):
