@@ -3,6 +3,7 @@ the long-tail task (examples/countdown.yaml), over seeds, one run after another.
 
     python benchmarks/in_flight.py                          # every mode, seeds 0 1 2, 30 steps
     python benchmarks/in_flight.py --seeds 0 --steps 20 --modes drain recompute
+    python benchmarks/in_flight.py --extra --learner.episodes_per_step 64   # more job args
 
 Every run is the real job (`jobs/ppo.py --config examples/countdown.yaml`): completions
 of 3 to 297 tokens, max_staleness 1. Only rollout.in_flight_updates (and its KV-cache
@@ -35,10 +36,10 @@ MODES = {
 THRESHOLDS = (0.3, 0.35, 0.4)
 
 
-def run(mode: str, seed: int, steps: int, out: Path) -> Path:
+def run(mode: str, seed: int, steps: int, out: Path, extra: list[str]) -> Path:
     """Runs one job unless its summary exists; returns its run directory."""
     example = ["--config", str(REPO / "examples" / "countdown.yaml")]
-    return run_seed(mode, [*example, *MODES[mode]], seed, steps, out)
+    return run_seed(mode, [*example, *extra, *MODES[mode]], seed, steps, out)
 
 
 def figures(run_dir: Path) -> dict:
@@ -77,10 +78,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-in-flight")
+    parser.add_argument(
+        "--extra", nargs=argparse.REMAINDER, default=[], help="more jobs/ppo.py arguments (last)"
+    )
     args = parser.parse_args()
     print(f"{len(args.modes)} modes x {len(args.seeds)} seeds, {args.steps} steps each")
     results = {
-        mode: [figures(run(mode, seed, args.steps, args.out)) for seed in args.seeds]
+        mode: [figures(run(mode, seed, args.steps, args.out, args.extra)) for seed in args.seeds]
         for mode in args.modes
     }
     reach = {

@@ -127,7 +127,7 @@ def test_rollout_actors_start_with_the_vllm_and_allocator_settings(system):
 
 def appended(store) -> int:
     """Returns how many episodes the store actor took, written to files or not yet."""
-    stats = ray.get(store.stats.remote(), timeout=60)
+    stats = ray.get(store.store_stats.remote(), timeout=60)
     return stats.episodes_written + stats.buffered
 
 

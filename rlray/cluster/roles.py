@@ -195,14 +195,21 @@ class BufferActor(EpisodeBuffer):
         return taken
 
 
+STORE_CALLS = "store"
+"""The concurrency group of a store's calls: one at a time, in a thread of their own, so
+that a buffer in the same process (EpisodesActor) answers while a batch is written."""
+
+
 class StoreActor:
-    """The run's EpisodeStore in its own process; it fetches episode batches from the
-    object store itself, so they never pass through the driver."""
+    """The run's EpisodeStore; it fetches episode batches from the object store itself,
+    so they never pass through the driver. Start it with
+    `concurrency_groups={STORE_CALLS: 1}`."""
 
     def __init__(self, config: StoreConfig, run_dir: str, run_id: str):
         self.store = open_store(config, Path(run_dir), run_id)
         self.upload_timeout_s = config.upload_timeout_s
 
+    @ray.method(concurrency_group=STORE_CALLS)
     def append_batches(
         self,
         batch_refs: list[list[Any]],
@@ -216,18 +223,40 @@ class StoreActor:
         episodes = mark_trained(resolve_episodes(batch_refs, timeout_s), trained_at)
         return self.store.append(episodes, key)
 
+    @ray.method(concurrency_group=STORE_CALLS)
     def append_episodes(self, episodes: list[Episode], key: str | None = None) -> int:
         """Stores episodes given by value (the ingestion endpoint's); returns the count."""
         return self.store.append(episodes, key)
 
+    @ray.method(concurrency_group=STORE_CALLS)
     def close(self) -> tuple[StoreStats, list[str]]:
         """Writes what is buffered, waits for uploads; returns stats and the files left
         in the upload spool."""
         left = self.store.close(self.upload_timeout_s)
         return self.store.stats(), [str(path) for path in left]
 
-    def stats(self) -> StoreStats:
+    @ray.method(concurrency_group=STORE_CALLS)
+    def store_stats(self) -> StoreStats:
         return self.store.stats()
+
+
+class EpisodesActor(BufferActor, StoreActor):
+    """A training run's buffer and store in one process: both hold only what the driver
+    can give back (the buffer its batches' references, the store its journal on disk),
+    so one restart restores both (rlray.driver.recovery), and a process of Python, Ray
+    and pyarrow (about 0.09 GiB) is saved. The store's calls run in a thread of their own
+    (STORE_CALLS): a learner step's take never waits behind a batch being written."""
+
+    def __init__(
+        self,
+        run_id: str,
+        capacity_episodes: int,
+        max_staleness: int,
+        store: StoreConfig,
+        run_dir: str,
+    ):
+        BufferActor.__init__(self, run_id, capacity_episodes, max_staleness)
+        StoreActor.__init__(self, store, run_dir, run_id)
 
 
 class IngestActor:

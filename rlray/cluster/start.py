@@ -25,8 +25,9 @@ from rlray.cluster.colocated import ColocatedActor
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, colocated_resources, role_resources
 from rlray.cluster.roles import (
+    STORE_CALLS,
     AgentActor,
-    BufferActor,
+    EpisodesActor,
     IngestActor,
     RewardActor,
     RolloutActor,
@@ -79,10 +80,23 @@ class Actors:
             *zip(learners.names, learners.handles, strict=True),
         ]
 
+    def sharing(self, name: str) -> list[str]:
+        """Returns the names of every role in the process of actor `name`, its own first
+        (a training run's store and buffer are one; a colocated rollout-i and learner-i)."""
+        handle = self.handle(name)
+        return [name, *(other for other, h in self.all() if h is handle and other != name)]
+
     def restart_counts(self) -> dict[str, int]:
-        """Returns how many times Ray restarted each actor, by name: Ray's own record
-        (its control store's), so one death is one restart however many calls it failed."""
-        return {name: restart_count(handle) for name, handle in self.all()}
+        """Returns how many times Ray restarted each actor process, by the name of its
+        first role (`store` for the store and the buffer): Ray's own record (its control
+        store's), so one death is one restart however many calls it failed."""
+        counts: dict[str, int] = {}
+        seen: set[int] = set()
+        for name, handle in self.all():
+            if id(handle) not in seen:
+                seen.add(id(handle))
+                counts[name] = restart_count(handle)
+        return counts
 
     def close_agent(self, timeout_s: float) -> None:
         """Tells the agent endpoint, if any, that the run needs no more traces, and waits
@@ -226,26 +240,11 @@ def start_actors(
             for i, name in enumerate(reward_names)
         ],
         reward_names=reward_names,
-        store=ray.remote(StoreActor)
-        .options(
-            name="store",
-            num_cpus=0,
-            max_restarts=config.ray.max_actor_restarts,
-            # Beside the driver: it writes into the run directory (the driver's disk),
-            # and a restarted store must find its journal there.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False
-            ),
-        )
-        .remote(config.store, config.run_dir, run_id),
+        store=_start_store(config, run_id, train),
         placement=placement,
     )
     if train:
-        actors.buffer = (
-            ray.remote(BufferActor)
-            .options(name="buffer", num_cpus=0, max_restarts=config.ray.max_actor_restarts)
-            .remote(run_id, config.buffer.capacity_episodes, config.buffer.max_staleness)
-        )
+        actors.buffer = actors.store  # one process, EpisodesActor
         actors.learner = (
             LearnerGroup(rollout)
             if colocated
@@ -260,6 +259,30 @@ def start_actors(
         actors.kill()
         raise
     return actors
+
+
+def _start_store(config: Config, run_id: str, train: bool) -> Any:
+    """Starts the run's store, named `store`: with the buffer in its process in a training
+    run (EpisodesActor), alone in a collect-only one."""
+    options = {
+        "name": "store",
+        "num_cpus": 0,
+        "max_restarts": config.ray.max_actor_restarts,
+        # Beside the driver: it writes into the run directory (the driver's disk), and a
+        # restarted store must find its journal there.
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    }
+    store_calls = {STORE_CALLS: 1}
+    if not train:
+        actor = ray.remote(concurrency_groups=store_calls)(StoreActor).options(**options)
+        return actor.remote(config.store, config.run_dir, run_id)
+    buffer = config.buffer
+    actor = ray.remote(concurrency_groups=store_calls)(EpisodesActor).options(**options)
+    return actor.remote(
+        run_id, buffer.capacity_episodes, buffer.max_staleness, config.store, config.run_dir
+    )
 
 
 def _start_rollout_workers(

@@ -63,9 +63,10 @@ class Recovery:
             raise ActorFailure(f"learner died; {failure}", died=True) from failure
         logger.warning("%s; waiting for Ray to restart %s", failure, name)
         self._wait_until_up(name, failure)
-        restore = self.restorers.get(_role(name))
-        if restore is not None:
-            restore(name)
+        for role in self.actors.sharing(name):  # the store's restart is the buffer's too
+            restore = self.restorers.get(_role(role))
+            if restore is not None:
+                restore(role)
         self.count_restarts()  # one death fails every call in flight: count it once
 
     def restore_restarted(self, names: list[str]) -> None:

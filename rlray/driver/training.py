@@ -47,7 +47,7 @@ class TrainingDriver:
     a batch is started only if the policy that makes it will be at most K versions
     behind the learner when that batch is trained on. K=0 is strictly on-policy.
 
-    Rollout, reward, buffer and store actors are restarted by Ray when they die; the
+    Rollout, reward and store (+ buffer) actors are restarted by Ray when they die; the
     driver keeps what it needs to carry on without losing or doubling an episode: the
     rows of every batch in flight (regenerated, with new episode ids, if its rollout
     worker died; re-scored if its reward worker died), a copy of the buffer's references
@@ -172,11 +172,13 @@ class TrainingDriver:
         self.fill()  # with max_staleness >= 1 generation overlaps training
         with self.clock.phase("training"):
             metrics = self.recovery.call("learner", train, "train step")
+        # Asked before the store's write, which the buffer's process then makes (its
+        # episodes fetched and written) while the driver goes on.
+        buffer_stats = self.buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
         # Only now are they trained on: a learner that died mid-step leaves them untrained.
         with interrupts_held():
             self.store.write([b.ref for b in self.training], trained_at=time.time())
             self.training = []
-        buffer_stats = self.buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
         tally = self.rollouts.take_tally()
         return {
             **metrics_dict(metrics),
