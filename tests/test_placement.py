@@ -180,7 +180,8 @@ def test_the_one_gpu_line_of_the_docs_is_the_config_placed_above():
 
     page = (REPO / "docs" / "cluster.md").read_text()
     lines = [line for line in page.splitlines() if line.startswith("python jobs/ppo.py")]
-    one_gpu = [line for line in lines if "--ray.placement colocated" in line]
+    colocated = [line for line in lines if "--ray.placement colocated" in line]
+    one_gpu = [line for line in colocated if "num_workers" not in line]
     assert len(one_gpu) == 1, lines
     config = parse_command_line(one_gpu[0].split()[2:]).config
     validate(config)
@@ -190,3 +191,22 @@ def test_the_one_gpu_line_of_the_docs_is_the_config_placed_above():
         wanted.learner,
         wanted.rollout,
     )
+
+
+def test_the_eight_gpu_line_of_the_docs_gives_each_rank_a_gpu_and_each_engine_a_batch():
+    from rlray.cluster.placement import colocated_resources
+    from rlray.config import parse_command_line, validate
+
+    page = (REPO / "docs" / "cluster.md").read_text()
+    (line,) = [
+        line
+        for line in page.splitlines()
+        if line.startswith("python jobs/ppo.py") and "--learner.num_workers 8" in line
+    ]
+    config = parse_command_line(line.split()[2:]).config
+    validate(config)
+    bundle = {"CPU": 2.0, "GPU": 1.0}
+    assert colocated_resources(config).groups() == [([bundle] * 8, "PACK")]
+    # Every engine generates a batch of every step.
+    batches = config.learner.episodes_per_step // config.rollout_batch_episodes
+    assert batches == config.rollout.num_workers == 8
