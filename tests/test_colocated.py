@@ -83,6 +83,16 @@ def test_a_colocated_engine_takes_its_weights_in_memory():
             {"learner__gpus": 1.0},
             r"^rollout.gpus_per_worker \(0.0\) must equal learner.gpus \(1.0\)",
         ),
+        (
+            {
+                "learner__gpus": 1.0,
+                "rollout__gpus_per_worker": 1.0,
+                "rollout__in_flight_updates": True,
+                "rollout__in_flight_kv_cache": "keep",
+            },
+            r"^rollout.in_flight_kv_cache keep with ray.placement colocated on GPUs: the "
+            "engine's sleep frees the KV cache",
+        ),
     ],
 )
 def test_what_colocation_cannot_do_is_one_line(fields, message):

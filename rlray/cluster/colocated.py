@@ -11,7 +11,9 @@ while the learner trains (vLLM's sleep mode: KV cache freed, weights offloaded t
 memory) and wakes for generation; `EngineTurns` keeps that state.
 
 The driver needs no other path: the one handle is both a run's `rollout-<i>` and its
-`learner`, and its calls queue in the order the driver makes them. A colocated actor is
+`learner`, and its calls queue in the order the driver makes them. With in-flight updates
+(rollout.in_flight_updates) a turn ends once it has a batch of whole groups, and the
+rest finish in later turns (partial rollouts, rlray.rollout.partial). A colocated actor is
 not restarted by Ray (its learner's weights would be lost); the run resumes from its
 checkpoint, as after a learner's death.
 
@@ -89,9 +91,10 @@ class ColocatedActor(RolloutActor, LearnerActor):
             sleep_mode=on_gpu,
         )
         # Level 1: the KV cache is freed and the weights go to host memory; the next
-        # weight load overwrites them after the wake-up.
+        # weight load overwrites them after the wake-up. "keep": requests a partial
+        # rollout carries are preempted, not aborted, and recompute their KV once awake.
         self.turns = EngineTurns(
-            (lambda: self.llm.sleep(level=1)) if on_gpu else None,
+            (lambda: self.llm.sleep(level=1, mode="keep")) if on_gpu else None,
             self.llm.wake_up if on_gpu else None,
         )
 
@@ -108,9 +111,23 @@ class ColocatedActor(RolloutActor, LearnerActor):
 
     # The engine's turn.
 
-    def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
+    def generate(
+        self, rows: list[PromptRow], first_prompt_index: int, carry_floor: int | None = None
+    ) -> Any:
+        """Generates a batch; with `carry_floor` (partial rollouts: config's
+        partial_rollouts) the turn ends once as many groups are whole, and groups still
+        running that started at or after that version stay in the engine."""
         self.turns.engine()
-        return RolloutActor.generate(self, rows, first_prompt_index)
+        if carry_floor is None:
+            return RolloutActor.generate(self, rows, first_prompt_index)
+        self._check_weights()
+        return self._counted(*self.generate_carrying(rows, first_prompt_index, carry_floor))
+
+    def finish_carried(self) -> Any:
+        """Finishes and returns every group a partial rollout left in the engine (the
+        run's end)."""
+        self.turns.engine()
+        return self._counted(*self.generate_carrying([], 0, None))
 
     def eval_episodes(
         self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3

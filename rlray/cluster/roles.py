@@ -70,10 +70,14 @@ class RolloutActor(RolloutWorker):
 
     def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
         self._check_weights()
-        episodes, stats = super().generate(rows, first_prompt_index)
-        self.telemetry.set(
-            "rlray_rollout_tokens_per_second", stats.completion_tokens / stats.seconds
-        )
+        return self._counted(*super().generate(rows, first_prompt_index))
+
+    def _counted(self, episodes: list[Episode], stats: GenerateStats) -> Any:
+        """Returns a generate call's result, its figures counted for the dashboard."""
+        if stats.seconds > 0:
+            self.telemetry.set(
+                "rlray_rollout_tokens_per_second", stats.completion_tokens / stats.seconds
+            )
         self.telemetry.add("rlray_episodes_generated", stats.episodes)
         return episodes, stats
 

@@ -33,6 +33,7 @@ from rlray.config.schema import (
     config_to_dict,
     eval_rewards,
     ingest_token,
+    partial_rollouts,
     weight_sync,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "ingest_token",
     "load_yaml_file",
     "parse_command_line",
+    "partial_rollouts",
     "validate",
     "weight_sync",
 ]

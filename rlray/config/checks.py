@@ -137,6 +137,12 @@ def _colocation(config: Config) -> None:
             f"({learner.gpus}) with ray.placement colocated: the engine and the learner "
             "share those devices"
         )
+    if r.in_flight_updates and r.in_flight_kv_cache == "keep" and r.gpus_per_worker > 0:
+        raise ConfigError(
+            "rollout.in_flight_kv_cache keep with ray.placement colocated on GPUs: the "
+            "engine's sleep frees the KV cache of the requests it carries over the "
+            "learner's turn (use recompute)"
+        )
 
 
 def _seed(config: Config) -> None:

@@ -222,8 +222,16 @@ class RolloutConfig:
     tokens; staleness counts from the oldest). A worker then generates up to two batches
     at once, so that the next batch starts while the last one's longest completions
     finish. false: a sync waits until the worker's requests are done. With ray.placement
-    colocated an engine never runs while its learner trains, so no request is in flight
-    at a sync."""
+    colocated an engine runs only in its turn, so its turn ends once all but
+    in_flight_carry of its batch's groups are whole; the groups still running stay in
+    the engine through the learner's turn and the weight load, and finish in the next
+    turn beside the next batch (partial rollouts; single-turn only: multi-turn episodes
+    run whole). A group is carried only while buffer.max_staleness allows: a colocated
+    run a batch ahead needs 2."""
+    in_flight_carry: float = field(default=0.25, metadata={"range": Range(0, high=0.9)})
+    """With in_flight_updates on colocated engines (partial rollouts): the largest share
+    of a batch's groups its engine's turn may leave running for the next turn. 0: a turn
+    runs its batch to the end."""
     in_flight_kv_cache: InFlightKVCache = "recompute"
     """With in_flight_updates, what running requests do with the KV cache the old weights
     computed. recompute: the new weights compute it again from each request's tokens so
@@ -678,6 +686,14 @@ def weight_sync(config: Config) -> str:
         return chosen
     on_gpus = config.learner.gpus > 0 and config.rollout.gpus_per_worker > 0
     return "nccl" if on_gpus else "object_store"
+
+
+def partial_rollouts(config: Config) -> bool:
+    """Returns whether a generate call leaves unfinished groups in its engine for the
+    next call (rlray.rollout.partial): in-flight updates on colocated engines, whose
+    turns end before a batch's longest completion. Multi-turn episodes run whole."""
+    colocated = config.ray.placement == "colocated"
+    return colocated and config.rollout.in_flight_updates and not config.rollout.environment
 
 
 def eval_rewards(config: Config) -> list[RewardSpec]:

@@ -81,6 +81,13 @@ class GenerateStats:
     while they were generated: rollout.in_flight_updates)."""
     traces_dropped: int = 0
     """Agent traces that never ended within agent.trace_timeout_s (rlray.agent)."""
+    first_prompt_index: int | None = None
+    """With partial rollouts (RolloutWorker.generate_carrying), the lowest prompt index
+    of the episodes returned: groups started by an earlier call may come back in this
+    one. None otherwise."""
+    carried_from: int | None = None
+    """With partial rollouts, the lowest prompt index of the groups still running in the
+    engine after the call; None if none (or no partial rollouts)."""
 
 
 @dataclass

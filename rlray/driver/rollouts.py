@@ -41,6 +41,11 @@ class InFlight:
     worker_index: int
     reward_index: int
     num_episodes: int
+    carry_floor: int | None = None
+    """With partial rollouts (config's partial_rollouts), the oldest policy version a
+    group the call leaves running may have started under (ColocatedActor.generate)."""
+    finishing: bool = False
+    """The run's end: the call finishes the groups partial rollouts left running."""
     generated_episodes: Any = None  # ObjectRef[list[Episode]], not yet scored
     generate_stats: Any = None  # ObjectRef[GenerateStats]
     episodes: Any = None  # ObjectRef[list[Episode]], scored
@@ -115,7 +120,9 @@ class Rollouts:
 
     A worker generates `batches_per_worker` batches at once at most: 2 with in-flight
     weight updates, so that the next batch's requests join the engine while the last
-    one's longest completions finish."""
+    one's longest completions finish. A colocated engine does the same within one call
+    (partial rollouts): a batch is the groups that finished first, and `carried` tells
+    which prompts it still holds."""
 
     def __init__(
         self,
@@ -139,6 +146,9 @@ class Rollouts:
         self.tally = RolloutTally()
         self.step_version = 0
         """The learner step whose reward weights score (reward schedules)."""
+        self.carried: dict[int, int] = {}
+        """With partial rollouts, each worker's lowest prompt index still in its engine
+        (as its last generate call reported), for workers that hold any."""
 
     def idle_workers(self) -> list[int]:
         """Returns the rollout workers with room for another batch."""
@@ -146,18 +156,37 @@ class Rollouts:
         workers = range(len(self.actors.rollout))
         return [w for w in workers if generating.count(w) < self.batches_per_worker]
 
-    def start(self, worker: int, first_prompt_index: int, prompts: int, samples: int) -> None:
+    def start(
+        self,
+        worker: int,
+        first_prompt_index: int,
+        prompts: int,
+        samples: int,
+        carry_floor: int | None = None,
+    ) -> None:
         """Starts a batch of `prompts` prompts from the stream's `first_prompt_index` on
-        `worker` (its scoring follows by itself)."""
+        `worker` (its scoring follows by itself); `carry_floor`: see InFlight."""
         item = InFlight(
             rows=[self.prompts.row(first_prompt_index + i) for i in range(prompts)],
             first_prompt_index=first_prompt_index,
             worker_index=worker,
             reward_index=self.next_reward,
             num_episodes=prompts * samples,
+            carry_floor=carry_floor,
         )
-        self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
         self.tally.prompts_generated += prompts
+        self._start(item)
+
+    def finish_carried(self) -> None:
+        """Starts, on every rollout worker, a call that finishes the groups partial
+        rollouts left in its engine (the run's end; a worker that holds none returns
+        none)."""
+        for worker in range(len(self.actors.rollout)):
+            first = self.carried.get(worker, 0)
+            self._start(InFlight([], first, worker, self.next_reward, 0, finishing=True))
+
+    def _start(self, item: InFlight) -> None:
+        self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
         self.in_flight.append(item)
         self._generate(item)
 
@@ -172,9 +201,13 @@ class Rollouts:
             ).remote(item.rows, item.first_prompt_index, samples, item.worker_index)
         else:
             worker = self.actors.rollout[item.worker_index]
-            item.generated_episodes, item.generate_stats = worker.generate.options(
-                num_returns=2
-            ).remote(item.rows, item.first_prompt_index)
+            if item.finishing:
+                call, args = worker.finish_carried, ()
+            elif item.carry_floor is not None:
+                call, args = worker.generate, (item.rows, item.first_prompt_index, item.carry_floor)
+            else:
+                call, args = worker.generate, (item.rows, item.first_prompt_index)
+            item.generated_episodes, item.generate_stats = call.options(num_returns=2).remote(*args)
         item.generated = None
         self._score(item)
 
@@ -255,6 +288,10 @@ class Rollouts:
             return False
         item.generated = stats
         self.tally.generated(stats)
+        if stats.carried_from is None:
+            self.carried.pop(item.worker_index, None)
+        else:
+            self.carried[item.worker_index] = stats.carried_from
         return True
 
     def _scored(self, item: InFlight) -> None:

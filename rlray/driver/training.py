@@ -19,7 +19,7 @@ from typing import Any
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
-from rlray.config import Config
+from rlray.config import Config, partial_rollouts
 from rlray.core.stats import StoreStats, metrics_dict
 from rlray.driver.evaluation import Evaluation, Evaluator
 from rlray.driver.interrupts import interrupts_held
@@ -32,6 +32,13 @@ from rlray.episodes.buffer import BufferedBatch, TakenBatches
 from rlray.observe.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
+
+
+def _first_prompt_index(item: InFlight) -> int:
+    """Returns the lowest prompt index of a generated batch: partial rollouts may return
+    groups an earlier call started."""
+    returned = item.generated.first_prompt_index
+    return item.first_prompt_index if returned is None else min(returned, item.first_prompt_index)
 
 
 def _batches_per_worker(config: Config) -> int:
@@ -94,13 +101,25 @@ class TrainingDriver:
 
     # ------------------------------------------------------------------ generation
 
-    def _may_generate(self, worker: int) -> bool:
-        """Whether a batch started now on `worker` would still be fresh when trained."""
+    def _trained_at_version(self) -> int:
+        """Returns the learner version a batch started now will be trained at, counting
+        every batch buffered or in flight as trained first."""
         per_step = self.config.learner.episodes_per_step
         in_flight = sum(item.num_episodes for item in self.rollouts.in_flight)
-        trained_at_version = self.learner_version + (self.buffered_episodes + in_flight) // per_step
-        staleness = trained_at_version - self.weights.worker_versions[worker]
+        return self.learner_version + (self.buffered_episodes + in_flight) // per_step
+
+    def _may_generate(self, worker: int) -> bool:
+        """Whether a batch started now on `worker` would still be fresh when trained."""
+        staleness = self._trained_at_version() - self.weights.worker_versions[worker]
         return staleness <= self.config.buffer.max_staleness
+
+    def _carry_floor(self) -> int | None:
+        """With partial rollouts, the oldest version a group left running by a batch
+        started now may have started under: it comes back with the worker's next batch,
+        trained a version later at most, and must still be fresh then."""
+        if not partial_rollouts(self.config):
+            return None
+        return self._trained_at_version() + 1 - self.config.buffer.max_staleness
 
     def fill(self) -> None:
         """Starts a batch on every idle rollout worker that may generate and has room."""
@@ -118,7 +137,11 @@ class TrainingDriver:
                 first = self.prompt_cursor
                 self.prompt_cursor += rollout.prompts_per_batch
                 self.rollouts.start(
-                    worker, first, rollout.prompts_per_batch, rollout.samples_per_prompt
+                    worker,
+                    first,
+                    rollout.prompts_per_batch,
+                    rollout.samples_per_prompt,
+                    self._carry_floor(),
                 )
 
     def _to_buffer(self, item: InFlight) -> None:
@@ -127,7 +150,7 @@ class TrainingDriver:
             ref=[item.episodes],
             policy_version=item.generated.policy_version,
             num_episodes=item.generated.episodes - score.uniform_episodes,
-            first_prompt_index=item.first_prompt_index,
+            first_prompt_index=_first_prompt_index(item),
             batch_id=self.next_batch_id,
         )
         self.next_batch_id += 1
@@ -231,6 +254,7 @@ class TrainingDriver:
         with self.clock.phase("checkpoint"):
             pending = [item.first_prompt_index for item in self.rollouts.in_flight]
             pending += [b.first_prompt_index for b in self.buffered.values() if not b.external]
+            pending += self.rollouts.carried.values()  # partial rollouts' running groups
             cursor = min(pending, default=self.prompt_cursor)
             ref = self.actors.learner.save_checkpoint.remote(str(self.plan.run_dir), cursor)
             return self.recovery.call("learner", ref, "save checkpoint")
@@ -240,6 +264,8 @@ class TrainingDriver:
     def drain(self) -> None:
         """Waits for in-flight batches and sends them, and whatever the buffer still
         holds, to the store as never trained on: every scored episode is kept."""
+        if partial_rollouts(self.config):
+            self.rollouts.finish_carried()
         for item in self.rollouts.finished():
             self.store.write([[item.episodes]], trained_at=None)
             if item.uniform is not None:

@@ -221,6 +221,10 @@ class Session:
             self.versions[output.request_id] = self.loop._versions.pop(output.request_id)
         return finished
 
+    def first_version(self, request_id: str) -> int:
+        """Returns the policy version a running request of this session started under."""
+        return self.loop._versions[request_id].first
+
     def abort_request(self, request_ids: list[str]) -> None:
         self.loop._abort(request_ids)
         self.pending.difference_update(request_ids)

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.core.episode import Episode
@@ -31,6 +31,7 @@ from rlray.rollout.multiturn import (
     tool_calls,
     turn_limits,
 )
+from rlray.rollout.partial import PartialBatches
 from rlray.rollout.sampling import Generated, sampling_seed, stop_settings
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
@@ -102,6 +103,19 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
         sequences *= 2
     blocks = -(-model.max_model_len // KV_BLOCK_TOKENS)  # ceil
     return sequences * blocks * KV_BLOCK_TOKENS * per_token
+
+
+class SampleKey(NamedTuple):
+    """What makes a single-turn request's episode, besides vLLM's output."""
+
+    row: PromptRow
+    prompt: str
+    """The prompt as the model read it (rendered)."""
+    index: int
+    """The prompt's index in the stream."""
+    sample: int
+    attempt: str
+    """Unique per generation attempt of a group (so a regenerated one gets new ids)."""
 
 
 class RolloutWorker:
@@ -186,6 +200,8 @@ class RolloutWorker:
         # Every call goes through the loop: with in_flight_updates the actor runs a
         # weight load (or a second batch) while a generate call is under way.
         self.loop = EngineLoop(self.llm.llm_engine, policy_version)
+        self.partial = PartialBatches(self.loop)
+        """Groups a partial rollout left running (generate_carrying)."""
         # A fast tokenizer may not be used by two threads at once ("Already borrowed").
         self.tokenizer_lock = threading.Lock()
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
@@ -241,38 +257,79 @@ class RolloutWorker:
         min_tokens: int = 0,
     ) -> list[Episode]:
         """Returns `samples` single-turn episodes per prompt (temperature 0: greedy)."""
+        requests = [
+            request
+            for offset, row in enumerate(rows)
+            for request in self._group_requests(
+                row, first_prompt_index + offset, samples, temperature, min_tokens
+            )
+        ]
+        outputs = self.loop.generate([(rid, prompt, params) for rid, prompt, params, _ in requests])
+        now = time.time()
+        return [
+            self._episode(key, output, versions, now)
+            for (*_, key), (output, versions) in zip(requests, outputs, strict=True)
+        ]
+
+    def _group_requests(
+        self, row: PromptRow, index: int, samples: int, temperature: float, min_tokens: int
+    ) -> list[tuple[str, Any, Any, SampleKey]]:
+        """Returns (request id, prompt, sampling params, key) for each sample of the
+        stream's prompt `index`."""
         # as in __init__
         from vllm import SamplingParams
 
         # Ids are unique per generation attempt: a batch regenerated after a failure, or
         # by a resumed run, gets new ones, so the store never holds one id twice.
         attempt = uuid.uuid4().hex[:8]
-        requests, keys = [], []
-        for offset, row in enumerate(rows):
-            index = first_prompt_index + offset
-            rendered = self.render(row)
-            for sample in range(samples):
-                requests.append(
-                    (
-                        f"{attempt}-{index}-{sample}",
-                        {"prompt_token_ids": rendered.token_ids},
-                        SamplingParams(
-                            max_tokens=self.rollout.max_new_tokens,
-                            min_tokens=min_tokens,
-                            temperature=temperature,
-                            logprobs=0,
-                            seed=sampling_seed(self.seed, index, sample),
-                            **stop_settings(self.rollout),
-                        ),
-                    )
-                )
-                keys.append((row, rendered.text, index, sample))
-        outputs = self.loop.generate(requests)
-        now = time.time()
+        rendered = self.render(row)
         return [
-            self._episode(row, text, index, sample, output, versions, now, attempt)
-            for (row, text, index, sample), (output, versions) in zip(keys, outputs, strict=True)
+            (
+                f"{attempt}-{index}-{sample}",
+                {"prompt_token_ids": rendered.token_ids},
+                SamplingParams(
+                    max_tokens=self.rollout.max_new_tokens,
+                    min_tokens=min_tokens,
+                    temperature=temperature,
+                    logprobs=0,
+                    seed=sampling_seed(self.seed, index, sample),
+                    **stop_settings(self.rollout),
+                ),
+                SampleKey(row, rendered.text, index, sample, attempt),
+            )
+            for sample in range(samples)
         ]
+
+    def generate_carrying(
+        self, rows: list[PromptRow], first_prompt_index: int, carry_floor: int | None
+    ) -> tuple[list[Episode], GenerateStats]:
+        """Partial rollouts (rlray.rollout.partial): starts `rows`' groups and returns
+        once at most rollout.in_flight_carry of them are unfinished and every group
+        still running started at or after policy version `carry_floor`; those stay in
+        the engine for the next call. Returns every whole group, this call's and earlier
+        calls', oldest first. `carry_floor` None returns every group held (a run's end)."""
+        started = time.perf_counter()
+        rollout = self.rollout
+        indices = [first_prompt_index + offset for offset in range(len(rows))]
+        for index, row in zip(indices, rows, strict=True):
+            requests = self._group_requests(
+                row, index, rollout.samples_per_prompt, rollout.temperature, rollout.min_new_tokens
+            )
+            self.partial.add(index, requests)
+        may_leave = int(len(rows) * rollout.in_flight_carry)
+        groups = self.partial.take(indices, may_leave, carry_floor)
+        now = time.time()
+        episodes = [
+            self._episode(key, *group.outputs[rid], now)
+            for group in groups
+            for rid, key in group.keys.items()
+        ]
+        seconds = time.perf_counter() - started
+        tokens = sum(len(e.completion_token_ids) for e in episodes)
+        stats = self._stats(episodes, tokens, seconds)
+        stats.first_prompt_index = min((g.prompt_index for g in groups), default=None)
+        stats.carried_from = self.partial.carried_from()
+        return episodes, stats
 
     def complete(
         self,
@@ -423,17 +480,7 @@ class RolloutWorker:
             completion_mask=t.completion_mask,
         )
 
-    def _episode(
-        self,
-        row: PromptRow,
-        prompt: str,
-        index: int,
-        sample: int,
-        output,
-        versions: Versions,
-        now: float,
-        attempt: str,
-    ) -> Episode:
+    def _episode(self, key: SampleKey, output: Any, versions: Versions, now: float) -> Episode:
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
         logprobs = [
@@ -441,10 +488,10 @@ class RolloutWorker:
         ]
         return Episode(
             run_id=self.run_id,
-            episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
-            prompt_index=index,
-            sample_index=sample,
-            prompt=prompt,
+            episode_id=f"{self.run_id}-{key.index}-{key.sample}-{key.attempt}",
+            prompt_index=key.index,
+            sample_index=key.sample,
+            prompt=key.prompt,
             completion=completion.text,
             prompt_token_ids=list(output.prompt_token_ids),
             completion_token_ids=token_ids,
@@ -453,7 +500,7 @@ class RolloutWorker:
             policy_version=versions.first,
             last_policy_version=versions.last,
             rollout_worker=self.name,
-            columns=episode_columns(row),
+            columns=episode_columns(key.row),
             generated_at=now,
         )
 

@@ -1,0 +1,128 @@
+"""Partial rollouts: a generate call that ends once it has a batch of whole groups, and
+leaves the groups still running in the engine for the next call.
+
+A colocated engine (ray.placement colocated) generates only in its turn, so with
+rollout.in_flight_updates its turn would otherwise last as long as the batch's longest
+completion, the engine decoding a few requests a step for most of it. Here a turn ends
+once all but a few of its batch's groups (every sample of a prompt) are whole
+(rollout.in_flight_carry) and it has a batch's worth of whole groups; the unfinished
+requests stay in the engine while the learner trains, take the new weights with the
+next weight load (their KV recomputed or kept: rollout.in_flight_kv_cache), and go on
+in the next turn beside the next batch's requests. A call returns the oldest whole
+groups, so a batch holds the groups an earlier call left as well as its own: its prompts
+need not be one contiguous run of the stream. Only a run's first batch is short (nothing
+was left before it).
+
+A group is carried only while it stays fresh enough to be trained: a call is given the
+oldest policy version (`carry_floor`) a request still running may have started under,
+and steps on until every running request started at or after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlray.rollout.engine_loop import EngineLoop, Versions
+
+
+@dataclass
+class Group:
+    """One prompt's samples: their requests, and the outputs of those that finished."""
+
+    prompt_index: int
+    keys: dict[str, Any]
+    """What the caller needs to make each request's episode, by request id."""
+    outputs: dict[str, tuple[Any, Versions]] = field(default_factory=dict)
+
+    @property
+    def whole(self) -> bool:
+        return len(self.outputs) == len(self.keys)
+
+
+class PartialBatches:
+    """The groups of one engine that callers started and have not taken yet."""
+
+    def __init__(self, loop: EngineLoop):
+        self.session = loop.session()
+        self.groups: dict[int, Group] = {}
+        """By prompt index; a dict keeps them in the order they were started."""
+        self.group_of: dict[str, int] = {}
+        """Each running request's prompt index."""
+
+    def add(self, prompt_index: int, requests: list[tuple[str, Any, Any, Any]]) -> None:
+        """Starts a group: (request id, prompt, sampling params, key) per sample."""
+        group = Group(prompt_index, {rid: key for rid, _, _, key in requests})
+        self.groups[prompt_index] = group
+        for rid, prompt, params, _ in requests:
+            self.group_of[rid] = prompt_index
+            self.session.add_request(rid, prompt, params)
+
+    def carried_from(self) -> int | None:
+        """Returns the lowest prompt index of a group still held; None if none."""
+        return min(self.groups, default=None)
+
+    def take(self, started: list[int], may_leave: int, carry_floor: int | None) -> list[Group]:
+        """Steps the engine until at most `may_leave` of the groups `started` (this
+        call's prompt indices) are unfinished, every unfinished group started at or after
+        version `carry_floor`, and as many groups as `started` are whole (unless nothing
+        was held before this call: a run's first batch is short). Removes and returns
+        that many whole groups, oldest first, and every whole group older than the floor;
+        `carry_floor` None: waits for and returns every group."""
+        wanted = len(started) if carry_floor is not None else len(self.groups)
+        first_batch = len(self.groups) == len(started)
+        try:
+            with self.session.aborted_on_error():
+                while self.session.pending and not self._may_stop(
+                    started, may_leave, carry_floor, wanted, first_batch
+                ):
+                    for output in self.session.step():
+                        self._finished(output)
+        except BaseException:
+            self.groups.clear()  # their requests were aborted: none can become whole
+            self.group_of.clear()
+            raise
+        return self._remove_whole(wanted, carry_floor)
+
+    def _may_stop(
+        self,
+        started: list[int],
+        may_leave: int,
+        carry_floor: int | None,
+        wanted: int,
+        first_batch: bool,
+    ) -> bool:
+        if carry_floor is None:
+            return False
+        unfinished = [g for g in self.groups.values() if not g.whole]
+        if not first_batch and len(self.groups) - len(unfinished) < wanted:
+            return False
+        started_set = set(started)
+        if sum(g.prompt_index in started_set for g in unfinished) > may_leave:
+            return False
+        return all(self._first_version(g) >= carry_floor for g in unfinished)
+
+    def _remove_whole(self, wanted: int, carry_floor: int | None) -> list[Group]:
+        """Removes and returns the oldest `wanted` whole groups, and any other whole one
+        that started before `carry_floor` (too old to wait for the next call)."""
+        whole = [g for g in self.groups.values() if g.whole]
+        taken = [
+            g
+            for i, g in enumerate(whole)
+            if i < wanted or carry_floor is None or self._first_version(g) < carry_floor
+        ]
+        for group in taken:
+            del self.groups[group.prompt_index]
+        return taken
+
+    def _first_version(self, group: Group) -> int:
+        """The oldest version a request of the group started under."""
+        return min(
+            group.outputs[rid][1].first if rid in group.outputs else self.session.first_version(rid)
+            for rid in group.keys
+        )
+
+    def _finished(self, output: Any) -> None:
+        prompt_index = self.group_of.pop(output.request_id)
+        versions = self.session.versions.pop(output.request_id)
+        self.groups[prompt_index].outputs[output.request_id] = (output, versions)
