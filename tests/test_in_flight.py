@@ -12,6 +12,12 @@ engine scores the episodes' tokens by prefill (RolloutWorker.token_logprobs) onc
 the new weights and once with the old ones loaded again. A token sampled before the load
 has the old weights' logprob, a token sampled after it the new weights' (recompute) or
 neither's (keep: it attended to KV the old weights computed).
+
+Partial rollouts (rlray.rollout.partial), on the same engine: a colocated engine's turn
+ends with a few groups still running, they stay in the engine across a weight load, and
+a later call returns them whole, each sample with the versions its tokens came from; no
+group is lost or returned twice. Requests run exactly their max_tokens, so the test
+chooses which groups are the tail.
 """
 
 from __future__ import annotations
@@ -137,6 +143,66 @@ def close(a: list[float], b: list[float]) -> list[bool]:
     return [abs(x - y) <= TOLERANCE for x, y in zip(a, b, strict=True)]
 
 
+SHORT, LONG = 4, 30  # partial rollouts: every request runs exactly this long
+
+
+def group_requests(worker, index: int, max_tokens: int) -> list:
+    """Returns the requests of prompt `index`'s group as the worker makes them, each
+    running `max_tokens` tokens."""
+    row = ROWS[index % len(ROWS)]
+    requests = worker._group_requests(row, index, ROLLOUT.samples_per_prompt, 1.0, 0, "test")
+    for _, _, params, _ in requests:
+        params.max_tokens = max_tokens
+    return requests
+
+
+def versions(group) -> list[tuple[int, int]]:
+    return [(v.first, v.last) for _, v in group.outputs.values()]
+
+
+def carry_across_a_load(host, old, new) -> dict:
+    """Runs in the host's process: groups 0-2 short and 3 long; a turn that may leave one
+    group running; a weight load; a turn of groups 4-5 that may not carry group 3 (it
+    started under version 0, and the floor is 1)."""
+    worker = host.rollout
+    partial = worker.partial
+    worker.load_weights(0, old)
+    loads_before = worker.loop.updates_in_flight
+    for index in range(4):
+        partial.add(index, group_requests(worker, index, LONG if index == 3 else SHORT))
+    first = partial.take([0, 1, 2, 3], may_leave=1, carry_floor=0)
+    carried = {i: len(g.outputs) for i, g in partial.groups.items()}
+    worker.load_weights(1, new)
+    for index in (4, 5):
+        partial.add(index, group_requests(worker, index, SHORT))
+    second = partial.take([4, 5], may_leave=0, carry_floor=1)
+    held_after = list(partial.groups)
+    rest = partial.take([], may_leave=0, carry_floor=None)
+    return {
+        "first": [(g.prompt_index, versions(g)) for g in first],
+        "carried": carried,
+        "second": [(g.prompt_index, versions(g)) for g in second],
+        "rest": [(g.prompt_index, versions(g)) for g in rest],
+        "lengths": {
+            g.prompt_index: [len(o.outputs[0].token_ids) for o, _ in g.outputs.values()]
+            for g in first + second + rest
+        },
+        "held_after": held_after,
+        "in_flight_loads": worker.loop.updates_in_flight - loads_before,
+    }
+
+
+def generate_carrying_calls(host) -> tuple:
+    """Runs in the host's process: a long group left by an earlier call (prompt 100)
+    stays through a call of short groups whose floor lets it, then comes back alone
+    from the call that finishes what is held."""
+    worker = host.rollout
+    worker.partial.add(100, group_requests(worker, 100, LONG))
+    first = worker.generate_carrying(ROWS[:4], 0, carry_floor=worker.policy_version)
+    last = worker.generate_carrying([], 0, carry_floor=None)
+    return first, last
+
+
 @pytest.fixture(scope="module", params=["recompute", "keep"])
 def across_a_load(rollout_host, request, tmp_path_factory):
     embedded = Path(resolve_model_path(Config().model.path))
@@ -152,12 +218,15 @@ def across_a_load(rollout_host, request, tmp_path_factory):
         call = host.__ray_call__.remote(generate_across_a_load, ROWS, old, new)
         single = ray.get(call, timeout=300)
         turns = ray.get(host.__ray_call__.remote(turns_across_a_load, ROWS, old, new), timeout=300)
-        yield request.param, single, turns
+        # partial rollouts (rlray.rollout.partial)
+        across = ray.get(host.__ray_call__.remote(carry_across_a_load, old, new), timeout=300)
+        calls = ray.get(host.__ray_call__.remote(generate_carrying_calls), timeout=300)
+        yield request.param, single, turns, (across, calls)
 
 
 @pytest.mark.slow
 def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions(across_a_load):
-    _, (episodes, stats, steps_at_load, updates, _, _), _ = across_a_load
+    _, (episodes, stats, steps_at_load, updates, _, _), _, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     assert STEPS_BEFORE_LOAD <= steps_at_load < TOKENS and updates == 1
     # Every request was running at the load: its first token is version 0's, its last
@@ -169,7 +238,7 @@ def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions
 
 @pytest.mark.slow
 def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys(across_a_load):
-    mode, (episodes, _, steps_at_load, _, with_new, with_old), _ = across_a_load
+    mode, (episodes, _, steps_at_load, _, with_new, with_old), _, _ = across_a_load
     # One step prefills each prompt and samples its first token; each later step one more
     # (the steps are counted with the engine held for the load, so the count is exact).
     split = steps_at_load
@@ -186,9 +255,51 @@ def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys
 
 @pytest.mark.slow
 def test_a_multi_turn_episode_records_the_versions_of_its_first_and_last_turns(across_a_load):
-    _, _, episodes = across_a_load
+    _, _, episodes, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     for e in episodes:
         assert sum(s.kind == "model_call" for s in e.spans) == 3, e.spans
         assert (e.policy_version, e.last_policy_version) == (3, 4)
         assert e.completion_mask.count(1) == 3 * TURN_TOKENS  # every turn ran its tokens
+
+
+@pytest.mark.slow
+def test_a_turn_ends_with_the_long_group_running_and_the_next_returns_it_whole(across_a_load):
+    across, _ = across_a_load[3]
+    # The first turn (a run's first: nothing held before it, so it may be short)
+    # returned the three short groups, all under version 0, and stopped with the long
+    # one part-way (each of its samples a request still running).
+    assert [index for index, _ in across["first"]] == [0, 1, 2]
+    assert all(v == [(0, 0)] * ROLLOUT.samples_per_prompt for _, v in across["first"])
+    assert across["carried"] == {3: 0}
+    assert across["in_flight_loads"] == 1  # the load found requests running
+    # The second turn had to finish it (it started under 0 < the floor 1) and returns a
+    # batch's worth: the oldest two whole groups, the long one first, its tokens from
+    # both versions. Group 5, whole under version 1, waits for the next call.
+    assert across["second"] == [
+        (3, [(0, 1)] * ROLLOUT.samples_per_prompt),
+        (4, [(1, 1)] * ROLLOUT.samples_per_prompt),
+    ]
+    assert across["held_after"] == [5]
+    assert across["rest"] == [(5, [(1, 1)] * ROLLOUT.samples_per_prompt)]
+    assert (
+        across["lengths"][3] == [LONG] * ROLLOUT.samples_per_prompt
+    )  # whole: none cut at the turn's end
+    assert all(
+        across["lengths"][i] == [SHORT] * ROLLOUT.samples_per_prompt for i in (0, 1, 2, 4, 5)
+    )
+
+
+@pytest.mark.slow
+def test_generate_carrying_returns_each_group_once_and_says_what_it_still_holds(across_a_load):
+    _, ((first, first_stats), (last, last_stats)) = across_a_load[3]
+    assert sorted({e.prompt_index for e in first}) == [0, 1, 2, 3]
+    assert len(first) == 4 * ROLLOUT.samples_per_prompt
+    assert (first_stats.first_prompt_index, first_stats.carried_from) == (0, 100)
+    assert first_stats.episodes == len(first)
+    # The call that finishes what is held returns the long group alone, whole.
+    assert [e.prompt_index for e in last] == [100] * ROLLOUT.samples_per_prompt
+    assert all(len(e.completion_token_ids) == LONG for e in last)
+    assert (last_stats.first_prompt_index, last_stats.carried_from) == (100, None)
+    ids = [e.episode_id for e in first + last]
+    assert len(set(ids)) == len(ids)

@@ -105,6 +105,13 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     return sequences * blocks * KV_BLOCK_TOKENS * per_token
 
 
+def new_attempt() -> str:
+    """Returns a new generation attempt's tag, the last part of its episodes' ids: a batch
+    regenerated after a failure, or by a resumed run, gets new ids, so the store never
+    holds one id twice."""
+    return uuid.uuid4().hex[:8]
+
+
 class SampleKey(NamedTuple):
     """What makes a single-turn request's episode, besides vLLM's output."""
 
@@ -115,7 +122,7 @@ class SampleKey(NamedTuple):
     """The prompt's index in the stream."""
     sample: int
     attempt: str
-    """Unique per generation attempt of a group (so a regenerated one gets new ids)."""
+    """The generation attempt's tag (new_attempt)."""
 
 
 class RolloutWorker:
@@ -257,11 +264,12 @@ class RolloutWorker:
         min_tokens: int = 0,
     ) -> list[Episode]:
         """Returns `samples` single-turn episodes per prompt (temperature 0: greedy)."""
+        attempt = new_attempt()
         requests = [
             request
             for offset, row in enumerate(rows)
             for request in self._group_requests(
-                row, first_prompt_index + offset, samples, temperature, min_tokens
+                row, first_prompt_index + offset, samples, temperature, min_tokens, attempt
             )
         ]
         outputs = self.loop.generate([(rid, prompt, params) for rid, prompt, params, _ in requests])
@@ -272,16 +280,19 @@ class RolloutWorker:
         ]
 
     def _group_requests(
-        self, row: PromptRow, index: int, samples: int, temperature: float, min_tokens: int
+        self,
+        row: PromptRow,
+        index: int,
+        samples: int,
+        temperature: float,
+        min_tokens: int,
+        attempt: str,
     ) -> list[tuple[str, Any, Any, SampleKey]]:
         """Returns (request id, prompt, sampling params, key) for each sample of the
-        stream's prompt `index`."""
+        stream's prompt `index`, in generation attempt `attempt` (new_attempt)."""
         # as in __init__
         from vllm import SamplingParams
 
-        # Ids are unique per generation attempt: a batch regenerated after a failure, or
-        # by a resumed run, gets new ones, so the store never holds one id twice.
-        attempt = uuid.uuid4().hex[:8]
         rendered = self.render(row)
         return [
             (
@@ -311,9 +322,15 @@ class RolloutWorker:
         started = time.perf_counter()
         rollout = self.rollout
         indices = [first_prompt_index + offset for offset in range(len(rows))]
+        attempt = new_attempt()
         for index, row in zip(indices, rows, strict=True):
             requests = self._group_requests(
-                row, index, rollout.samples_per_prompt, rollout.temperature, rollout.min_new_tokens
+                row,
+                index,
+                rollout.samples_per_prompt,
+                rollout.temperature,
+                rollout.min_new_tokens,
+                attempt,
             )
             self.partial.add(index, requests)
         may_leave = int(len(rows) * rollout.in_flight_carry)
@@ -425,7 +442,7 @@ class RolloutWorker:
         limits = limits or turn_limits(rollout)
         samples = rollout.samples_per_prompt if samples is None else samples
         temperature = rollout.temperature if temperature is None else temperature
-        attempt = uuid.uuid4().hex[:8]  # unique per generation attempt, as single-turn ids
+        attempt = new_attempt()
         rendered = [self.render(row) for row in rows]  # chat prompts by the chat template
         trajectories = [
             Trajectory(
