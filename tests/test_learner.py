@@ -342,10 +342,15 @@ def test_token_budget_micro_batches_give_the_padded_batchs_gradient(
         budget: update_gradient(learner, episodes_for(learner, completions))
         for budget, learner in learners.items()
     }
-    # Float summation order only: 2.4e-7 at most (measured), on gradients up to 1.9.
+    # Float summation order only, so the tolerance scales with the gradient: measured at
+    # most 3.8e-6 on gradients up to 38 (seq_mean_token_sum, AVX2) and 2.4e-7 on
+    # gradients up to 2.3 (token_mean); a masking error is of the gradient's own size.
+    largest = max(g.abs().max().item() for g in gradients[0].values())
     for name, padded in gradients[0].items():
-        torch.testing.assert_close(gradients[64][name], padded, atol=1e-6, rtol=1e-5, msg=name)
-    assert max(g.abs().max() for g in gradients[0].values()) > 1e-3  # a real gradient
+        torch.testing.assert_close(
+            gradients[64][name], padded, atol=1e-6 * max(1.0, largest), rtol=1e-5, msg=name
+        )
+    assert largest > 1e-3  # a real gradient
     assert_same_policy(learners[0], learners[64])
 
 
