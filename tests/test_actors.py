@@ -125,6 +125,22 @@ def test_rollout_actors_start_with_the_vllm_and_allocator_settings(system):
     assert {key: started_with.get(key) for key in expected} == expected
 
 
+def _compiled_frames(actor) -> int:
+    """Returns how many frames torch.compile (dynamo) compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["frames"].values())
+
+
+def test_an_eager_cpu_engine_compiles_nothing_for_its_logprobs(system):
+    # vLLM's sampler compiles its rank helper at the first call that asks for logprobs
+    # unless torch.compile is off (1.8-15 s; rlray/rollout/worker.py: vllm_env).
+    _, actors = system
+    (made,) = ray.get(actors.rollout[0].complete.remote([5, 6, 7], 1, 1.0, 2, []), timeout=120)
+    assert len(made.logprobs) == len(made.token_ids) > 0
+    assert ray.get(actors.rollout[0].__ray_call__.remote(_compiled_frames), timeout=60) == 0
+
+
 def appended(store) -> int:
     """Returns how many episodes the store actor took, written to files or not yet."""
     stats = ray.get(store.store_stats.remote(), timeout=60)

