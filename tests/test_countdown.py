@@ -66,6 +66,47 @@ def test_the_example_config_fits_the_longest_answer():
     assert len("99-1=") + len(countdown(99, 1)) + 1 <= window
 
 
+def test_the_warm_start_in_chunks_of_like_lengths_takes_the_whole_batchs_gradient():
+    import torch
+
+    from rlray.data.tiny_models import _char_qwen2, _encode, _like_lengths, _summed_loss
+
+    torch.manual_seed(0)
+    policy, tokenizer = _char_qwen2(32, 64, 1, 1, 320)
+    prompts = TaskPrompts(COUNTDOWN, seed=0, held_out=200)
+    rows = [prompts.row(i) for i in range(24)]
+    pieces = [[(r.prompt, False), (r.columns["answer"], True), ("<eos>", True)] for r in rows]
+    sequences = [_encode(tokenizer, p) for p in pieces]
+    chunks = _like_lengths(sequences, 300)
+    assert len(chunks) > 2
+    assert all(max(len(ids) for ids, _ in c) * len(c) <= 300 for c in chunks if len(c) > 1)
+    assert sorted(map(id, sequences)) == sorted(id(s) for chunk in chunks for s in chunk)
+
+    def gradient() -> torch.Tensor:
+        grad = torch.cat([p.grad.flatten() for p in policy.parameters()])
+        policy.zero_grad()
+        return grad
+
+    # What the warm start did before chunks: the batch padded to its longest, and
+    # transformers' own loss (the mean over every trained token of the batch).
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+    labels = torch.full((len(sequences), width), -100)
+    for i, (ids, trained) in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(
+            [t if k else -100 for t, k in zip(ids, trained, strict=True)]
+        )
+    policy(
+        input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id), labels=labels
+    ).loss.backward()
+    padded = gradient()
+    trained = sum(sum(mask[1:]) for _, mask in sequences)
+    for chunk in chunks:
+        (_summed_loss(policy, tokenizer, chunk) / trained).backward()
+    torch.testing.assert_close(gradient(), padded, rtol=1e-4, atol=1e-6)
+
+
 # A colocated run a batch ahead spends one version of staleness; carrying a group over a
 # turn spends another.
 COLOCATED = ["--ray.placement", "colocated", "--buffer.max_staleness", "2"]

@@ -117,6 +117,10 @@ COUNTDOWN_MODEL = TinyModel(
         "max_position_embeddings": 320,  # "99-1=", 99 numbers and end-of-sequence
         "warm_start_steps": 300,
         "warm_start_batch": 64,
+        # Countdowns are 8 to 302 tokens (57 on average): a batch padded to its longest
+        # is 4.7x its tokens. In chunks of like lengths the build takes 63 s, not 215,
+        # on 2 cores (1024 measured best of 512-4096).
+        "warm_start_chunk_tokens": 1024,
         "warm_start_lr": 1e-3,
         "seed": 0,
         "chat_template": 2,
@@ -183,11 +187,27 @@ def _warm_start(model: TinyModel, policy: Any, tokenizer: Any) -> None:
             row = prompts.row(rng.randrange(1 << 30))
             pieces = [(str(row.prompt), False), *model.demonstrate(row, rng)]
             sequences.append(_encode(tokenizer, pieces))
-        loss = _sequence_loss(policy, tokenizer, sequences)
         optimizer.zero_grad()
-        loss.backward()
+        trained = sum(sum(mask[1:]) for _, mask in sequences)
+        for chunk in _like_lengths(sequences, recipe.get("warm_start_chunk_tokens", 0)):
+            (_summed_loss(policy, tokenizer, chunk) / trained).backward()
         optimizer.step()
     policy.eval()
+
+
+def _like_lengths(sequences: list[Any], budget: int) -> list[list[Any]]:
+    """Returns the sequences sorted by length in chunks of at most `budget` padded
+    tokens (a longer sequence alone); all of them as one chunk, in their order, if
+    `budget` is 0."""
+    if budget == 0:
+        return [sequences]
+    chunks: list[list[Any]] = []
+    for sequence in sorted(sequences, key=lambda s: len(s[0])):
+        if chunks and len(sequence[0]) * (len(chunks[-1]) + 1) <= budget:
+            chunks[-1].append(sequence)
+        else:
+            chunks.append([sequence])
+    return chunks
 
 
 def _encode(tokenizer: Any, pieces: Pieces) -> tuple[list[int], list[bool]]:
@@ -199,7 +219,9 @@ def _encode(tokenizer: Any, pieces: Pieces) -> tuple[list[int], list[bool]]:
     return ids, trained
 
 
-def _sequence_loss(policy: Any, tokenizer: Any, sequences: list[tuple[list[int], list[bool]]]):
+def _summed_loss(policy: Any, tokenizer: Any, sequences: list[tuple[list[int], list[bool]]]):
+    """Returns the summed cross-entropy of each sequence's trained tokens, each
+    predicted from the tokens before it."""
     import torch  # as in _warm_start
 
     width = max(len(ids) for ids, _ in sequences)
@@ -212,7 +234,10 @@ def _sequence_loss(policy: Any, tokenizer: Any, sequences: list[tuple[list[int],
             [t if keep else -100 for t, keep in zip(ids, trained, strict=True)]
         )
         attention[i, : len(ids)] = 1
-    return policy(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+    logits = policy(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
+    )
 
 
 def build_char_tokenizer() -> Any:  # a PreTrainedTokenizerFast
