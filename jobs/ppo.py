@@ -29,7 +29,7 @@ from rlray.cluster.start import (
     start_ingest,
 )
 from rlray.config import ConfigError, parse_command_line, validate
-from rlray.driver.interrupts import stop_at_once_on_signals, stop_on_sigterm
+from rlray.core.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
 from rlray.driver.run_log import RunLog, RunSummary
 from rlray.driver.training import TrainingDriver

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from rlray.driver.interrupts import interrupts_held
+from rlray.core.interrupts import interrupts_held
 
 
 def send(signum: int) -> None:

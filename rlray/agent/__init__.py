@@ -1,2 +1,2 @@
 """The agent endpoint: an OpenAI-compatible API onto the policy, for agents written with
-the `openai` client (issue 28; so far the API's requests and responses)."""
+the `openai` client; their calls' exact tokens become the run's episodes."""

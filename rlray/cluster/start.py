@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from rlray.cluster.roles import (
 from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
+from rlray.core.interrupts import deliver, interrupts_held
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
 
@@ -142,32 +142,39 @@ def connect(address: str, num_cpus: int) -> None:
     """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
     starts a new single-node Ray for this job, even if a `ray start` cluster runs here.
 
-    The caller's SIGTERM handler stays: ray.init installs one that exits at once, and a
-    SIGINT or SIGTERM that arrives while it runs waits (blocked) for the caller's."""
+    The caller's SIGINT and SIGTERM handlers stay: ray.init installs a SIGTERM handler
+    that exits at once, and a signal that arrives while it runs reaches the caller's
+    handler when it returns. Held in Python, not blocked in the kernel: the processes
+    a local Ray starts would inherit a blocked SIGTERM and ignore the one Ray's shutdown
+    sends them, each then killed only after a second's wait (5 s at every run's end)."""
     if ray.is_initialized():
         return
     # The driver's core worker would print a native stack dump on SIGTERM, which stops a
     # run as Ctrl-C does (its actors' workers keep their crash reports).
     ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     target = address or os.environ.get("RAY_ADDRESS", "")
-    handler = signal.getsignal(signal.SIGTERM)
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
-        if target:
-            _send_auth_token_if_any()
-            ray.init(address=target)
-        else:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                logging_level=logging.WARNING,  # not "Started a local Ray instance"
-            )
-            _end_local_ray_with_this_process()
-        if handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        with interrupts_held():  # puts the caller's handlers back over ray.init's
+            _init(target, num_cpus)
+    except SystemExit as stopped:  # ray.init's own SIGTERM handler
+        if stopped.code != signal.SIGTERM:
+            raise
+        deliver(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
+        raise
+
+
+def _init(target: str, num_cpus: int) -> None:
+    if target:
+        _send_auth_token_if_any()
+        ray.init(address=target)
+        return
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        logging_level=logging.WARNING,  # not "Started a local Ray instance"
+    )
+    _end_local_ray_with_this_process()
 
 
 def _end_local_ray_with_this_process() -> None:

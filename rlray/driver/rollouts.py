@@ -20,9 +20,9 @@ import ray
 
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
+from rlray.core.interrupts import interrupts_held
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import GenerateStats, ScoreStats
-from rlray.driver.interrupts import interrupts_held
 from rlray.driver.recovery import Recovery
 from rlray.observe.timing import PhaseClock
 

@@ -16,8 +16,8 @@ from typing import Any
 import ray
 
 from rlray.cluster.calls import ActorFailure, wait_for
+from rlray.core.interrupts import interrupts_held
 from rlray.core.stats import StoreStats
-from rlray.driver.interrupts import interrupts_held
 from rlray.driver.recovery import Recovery
 from rlray.observe.timing import PhaseClock
 

@@ -20,9 +20,9 @@ from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config, partial_rollouts
+from rlray.core.interrupts import interrupts_held
 from rlray.core.stats import StoreStats, metrics_dict
 from rlray.driver.evaluation import Evaluation, Evaluator
-from rlray.driver.interrupts import interrupts_held
 from rlray.driver.plan import RunPlan
 from rlray.driver.recovery import Recovery
 from rlray.driver.rollouts import InFlight, Rollouts
