@@ -77,7 +77,10 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, keep: int) -> torch.Tensor:
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state[:, -keep:]
         # A new tensor, not a view: FSDP2 hooks a sharded module's output for backward.
         return self.head(hidden)[..., 0].clone()  # (B, keep)
@@ -342,6 +345,7 @@ class Engine:
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
             logits_to_keep=steps + 1,
+            use_cache=False,  # one pass over whole sequences: a KV cache is built for nothing
         ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
         return logits.float() / (self.temperature if temperature is None else temperature)
 
