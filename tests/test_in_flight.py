@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 from rlray.config import Config
 from rlray.core.prompt import PromptRow
 from rlray.data.models import resolve_model_path
-from rlray.rollout.multiturn import TurnLimits
+from rlray.rollout.multiturn import TrajectoryRunner, TurnLimits
+from rlray.rollout.partial import PartialTrajectories
 from tests.rollout_host import ROLLOUT, rollout_actor
 from tests.test_multiturn import OBSERVATION, Result
 
@@ -203,6 +204,82 @@ def generate_carrying_calls(host) -> tuple:
     return first, last
 
 
+class TurnsOfItsRow:
+    """Answers every turn with OBSERVATION; done after its row's `turns` turns."""
+
+    def reset(self, row: PromptRow) -> str:
+        self.turns, self.left = 0, row.columns["turns"]
+        return ""
+
+    def step(self, action: str) -> Result:
+        self.turns += 1
+        done = self.turns == self.left
+        return Result(OBSERVATION, 1.0 if done else None, done)
+
+
+# Partial multi-turn rollouts: short groups of one turn, long ones of four (a turn is
+# TURN_TOKENS, an observation 6 tokens: 4 turns and 3 observations are 42 tokens).
+TURN_LIMITS = TurnLimits(max_turns=4, max_new_tokens=TURN_TOKENS, max_completion_tokens=44)
+
+
+def turn_rows(long: set[int], count: int) -> list[PromptRow]:
+    return [
+        PromptRow(ROWS[i].prompt, {"answer": "", "turns": 4 if i in long else 1})
+        for i in range(count)
+    ]
+
+
+def trajectory_versions(group) -> list[tuple[int, int, int]]:
+    """Returns (first version, last version, turns) of each trajectory of a group."""
+    return [(t.versions.first, t.versions.last, t.turns) for t in group]
+
+
+def carry_trajectories_across_a_load(host, old, new) -> dict:
+    """Runs in the host's process: as carry_across_a_load, with trajectories: groups 0-2
+    of one turn and 3 of four; a turn that may leave one group; a weight load; a turn
+    of groups 4-5 whose floor (1) makes it finish group 3."""
+    worker = host.rollout
+    session = worker.loop.session
+    partial = PartialTrajectories(
+        lambda: TrajectoryRunner(session(), worker._encode, worker._turns(1.0), TURN_LIMITS)
+    )
+    worker.load_weights(0, old)
+    rows = turn_rows({3}, 6)
+    groups = worker._trajectories(rows, 0, TurnsOfItsRow, "test")
+    samples = ROLLOUT.samples_per_prompt
+    for index in range(4):
+        partial.add(index, groups[index * samples : (index + 1) * samples])
+    first = partial.take([0, 1, 2, 3], may_leave=1, carry_floor=0)
+    carried = {i: [t.turns for t in g] for i, g in partial.groups.items()}
+    worker.load_weights(1, new)
+    for index in (4, 5):
+        partial.add(index, groups[index * samples : (index + 1) * samples])
+    second = partial.take([4, 5], may_leave=0, carry_floor=1)
+    held_after = list(partial.groups)
+    rest = partial.take([], may_leave=0, carry_floor=None)
+    partial._forget()  # ends the runner's threads
+    return {
+        name: [(g[0].prompt_index, trajectory_versions(g)) for g in taken]
+        for name, taken in (("first", first), ("second", second), ("rest", rest))
+    } | {"carried": carried, "held_after": held_after, "masks": [t.completion_mask for t in groups]}
+
+
+def generate_carrying_turns(host) -> tuple:
+    """Runs in the host's process: generate_carrying with an environment, four groups of
+    which the last runs four turns; then the call that finishes what is held."""
+    worker = host.rollout
+    rollout = worker.rollout
+    worker.rollout = replace(rollout, max_new_tokens=TURN_TOKENS, max_completion_tokens=44)
+    worker.make_environment = TurnsOfItsRow
+    try:
+        first = worker.generate_carrying(turn_rows({3}, 4), 200, worker.policy_version)
+        last = worker.generate_carrying([], 0, carry_floor=None)
+    finally:
+        worker.rollout, worker.make_environment = rollout, None
+        worker.partial_turns._forget()
+    return first, last
+
+
 @pytest.fixture(scope="module", params=["recompute", "keep"])
 def across_a_load(rollout_host, request, tmp_path_factory):
     embedded = Path(resolve_model_path(Config().model.path))
@@ -221,12 +298,16 @@ def across_a_load(rollout_host, request, tmp_path_factory):
         # partial rollouts (rlray.rollout.partial)
         across = ray.get(host.__ray_call__.remote(carry_across_a_load, old, new), timeout=300)
         calls = ray.get(host.__ray_call__.remote(generate_carrying_calls), timeout=300)
-        yield request.param, single, turns, (across, calls)
+        trajectories = ray.get(
+            host.__ray_call__.remote(carry_trajectories_across_a_load, old, new), timeout=300
+        )
+        turn_calls = ray.get(host.__ray_call__.remote(generate_carrying_turns), timeout=300)
+        yield request.param, single, turns, (across, calls), (trajectories, turn_calls)
 
 
 @pytest.mark.slow
 def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions(across_a_load):
-    _, (episodes, stats, steps_at_load, updates, _, _), _, _ = across_a_load
+    _, (episodes, stats, steps_at_load, updates, _, _), _, _, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     assert STEPS_BEFORE_LOAD <= steps_at_load < TOKENS and updates == 1
     # Every request was running at the load: its first token is version 0's, its last
@@ -238,7 +319,7 @@ def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions
 
 @pytest.mark.slow
 def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys(across_a_load):
-    mode, (episodes, _, steps_at_load, _, with_new, with_old), _, _ = across_a_load
+    mode, (episodes, _, steps_at_load, _, with_new, with_old), _, _, _ = across_a_load
     # One step prefills each prompt and samples its first token; each later step one more
     # (the steps are counted with the engine held for the load, so the count is exact).
     split = steps_at_load
@@ -255,7 +336,7 @@ def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys
 
 @pytest.mark.slow
 def test_a_multi_turn_episode_records_the_versions_of_its_first_and_last_turns(across_a_load):
-    _, _, episodes, _ = across_a_load
+    _, _, episodes, _, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     for e in episodes:
         assert sum(s.kind == "model_call" for s in e.spans) == 3, e.spans
@@ -303,3 +384,39 @@ def test_generate_carrying_returns_each_group_once_and_says_what_it_still_holds(
     assert (last_stats.first_prompt_index, last_stats.carried_from) == (100, None)
     ids = [e.episode_id for e in first + last]
     assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.slow
+def test_a_turn_leaves_a_long_trajectory_running_and_the_next_returns_it_whole(across_a_load):
+    trajectories, _ = across_a_load[4]
+    samples = ROLLOUT.samples_per_prompt
+    # The first call returned the three one-turn groups under version 0 and left the
+    # four-turn group part-way, its trajectories running (fewer than four turns each).
+    assert trajectories["first"] == [(i, [(0, 0, 1)] * samples) for i in (0, 1, 2)]
+    assert list(trajectories["carried"]) == [3]
+    assert all(turns < 4 for turns in trajectories["carried"][3])
+    # The next call had to finish it (first turn under 0 < the floor 1): it returns the
+    # oldest two whole groups, the long one first, its turns from both versions; group
+    # 5, whole under version 1, waits for the following call.
+    assert trajectories["second"] == [(3, [(0, 1, 4)] * samples), (4, [(1, 1, 1)] * samples)]
+    assert trajectories["held_after"] == [5]
+    assert trajectories["rest"] == [(5, [(1, 1, 1)] * samples)]
+    # Every turn ran its tokens and every observation is masked: nothing cut or doubled.
+    long = [1] * TURN_TOKENS + [0] * len(OBSERVATION)
+    assert all(m == long * 3 + [1] * TURN_TOKENS for m in trajectories["masks"][6:8])
+    short = trajectories["masks"][:6] + trajectories["masks"][8:]
+    assert len(short) == 10 and all(m == [1] * TURN_TOKENS for m in short)
+
+
+@pytest.mark.slow
+def test_generate_carrying_carries_trajectories_and_returns_each_once(across_a_load):
+    _, ((first, first_stats), (last, last_stats)) = across_a_load[4]
+    samples = ROLLOUT.samples_per_prompt
+    assert sorted({e.prompt_index for e in first}) == [200, 201, 202]
+    assert (first_stats.first_prompt_index, first_stats.carried_from) == (200, 203)
+    assert [e.prompt_index for e in last] == [203] * samples
+    assert all(sum(s.kind == "model_call" for s in e.spans) == 4 for e in last)
+    assert all(e.reward is None and e.finish_reason == "stop" for e in last)
+    assert (last_stats.first_prompt_index, last_stats.carried_from) == (203, None)
+    ids = [e.episode_id for e in first + last]
+    assert len(set(ids)) == len(ids) == 4 * samples

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,10 +216,15 @@ def test_a_slow_environment_does_not_hold_the_other_trajectories(tiny_rollout):
 
 @pytest.fixture(scope="module")
 def calculator_run(job_env, tmp_path_factory):
-    """Six steps of the built-in calculator task, as examples/calculator.yaml runs it
-    (a batch ahead), colocated: the learner and its engine in one process, taking turns."""
+    """Six steps of the built-in calculator task, as examples/calculator.yaml runs it,
+    colocated (the learner and its engine in one process, taking turns) with partial
+    rollouts: a turn may end with groups still running, carried into the next turn (a
+    batch ahead and carrying: two versions of staleness). The calculator's trajectories
+    end nearly together (a turn or two, of fixed lengths), so a turn may leave three
+    quarters of its groups, not the default quarter, which it would never leave."""
     run_dir = tmp_path_factory.mktemp("calculator") / "run"
-    colocated = ["--ray.placement", "colocated"]
+    colocated = ["--ray.placement", "colocated", "--rollout.in_flight_updates", "true"]
+    colocated += ["--buffer.max_staleness", "2", "--rollout.in_flight_carry", "0.75"]
     return run_dir, run_example("calculator", 6, run_dir, job_env, colocated)
 
 
@@ -235,13 +241,35 @@ def test_the_calculator_task_learns_to_call_the_tool(calculator_run):
     # Parity is checked on the policy's tokens only: the calculator's answers carry no
     # logprob of the policy and would be far off.
     assert all(r["logprob_parity_error"] <= 1e-4 for r in records)
-    # Colocated, a batch ahead: each batch made by the weights of the step before.
+    # Colocated, a batch ahead: each batch made by the weights of the step before, and
+    # trajectories carried over a turn by the weights of the step before that.
     assert all(r["weight_sync"] == "in_memory" for r in records)
     assert [r["weight_versions_loaded"] for r in records] == [
         {"rollout-0": r["step"]} for r in records
     ]
-    assert all(0 <= r["staleness_mean"] <= 1 for r in records)
+    assert all(0 <= r["staleness_mean"] <= 2 for r in records)
     assert any(r["staleness_mean"] > 0 for r in records)
+    assert records[-1]["dropped_stale"] == 0
+    # Every step but the first (a run's first batch is short) trains one batch's worth.
+    assert {r["episodes"] for r in records[1:]} == {Config().learner.episodes_per_step}
+
+
+def test_trajectories_carried_over_a_turn_are_stored_whole_once(calculator_run):
+    run_dir, _ = calculator_run
+    episodes = from_table(read(str(run_dir / "episodes")))
+    # Some trajectories ran across a weight load (carried from one turn to the next),
+    # each recording the versions of its first and last turns.
+    assert any(e.last_policy_version > e.policy_version for e in episodes)
+    assert all(e.policy_version <= e.last_policy_version <= e.policy_version + 1 for e in episodes)
+    # Every group started is stored whole once, those still running at the end too.
+    per_prompt = Counter(e.prompt_index for e in episodes)
+    assert sorted(per_prompt) == list(range(len(per_prompt)))
+    assert set(per_prompt.values()) == {Config().rollout.samples_per_prompt}
+    assert len({e.episode_id for e in episodes}) == len(episodes)
+    # A carried trajectory goes on where it was: its turns and observations in order.
+    for e in episodes:
+        kinds = [s.kind for s in e.spans if s.kind in ("model_call", "tool_call")]
+        assert kinds[::2] == ["model_call"] * len(kinds[::2]), kinds
 
 
 def test_a_stored_calculator_episode_reads_back_turn_by_turn(calculator_run):

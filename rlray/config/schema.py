@@ -225,9 +225,9 @@ class RolloutConfig:
     colocated an engine runs only in its turn, so its turn ends once all but
     in_flight_carry of its batch's groups are whole; the groups still running stay in
     the engine through the learner's turn and the weight load, and finish in the next
-    turn beside the next batch (partial rollouts; single-turn only: multi-turn episodes
-    run whole). A group is carried only while buffer.max_staleness allows: a colocated
-    run a batch ahead needs 2."""
+    turn beside the next batch (partial rollouts; a multi-turn trajectory is carried
+    between its turns, its environment with it). A group is carried only while
+    buffer.max_staleness allows: a colocated run a batch ahead needs 2."""
     in_flight_carry: float = field(default=0.25, metadata={"range": Range(0, high=0.9)})
     """With in_flight_updates on colocated engines (partial rollouts): the largest share
     of a batch's groups its engine's turn may leave running for the next turn. 0: a turn
@@ -691,9 +691,8 @@ def weight_sync(config: Config) -> str:
 def partial_rollouts(config: Config) -> bool:
     """Returns whether a generate call leaves unfinished groups in its engine for the
     next call (rlray.rollout.partial): in-flight updates on colocated engines, whose
-    turns end before a batch's longest completion. Multi-turn episodes run whole."""
-    colocated = config.ray.placement == "colocated"
-    return colocated and config.rollout.in_flight_updates and not config.rollout.environment
+    turns end before a batch's longest completion (or trajectory)."""
+    return config.ray.placement == "colocated" and config.rollout.in_flight_updates
 
 
 def eval_rewards(config: Config) -> list[RewardSpec]:

@@ -11,6 +11,8 @@ Trajectories run concurrently through vLLM's engine (continuous batching). When 
 finishes, its environment step runs in a thread while the engine goes on generating
 the other trajectories' turns, and the next turn is submitted as soon as the
 observation is back, so a long trajectory (or a slow tool) never holds the others.
+`TrajectoryRunner` may also stop before every trajectory ended and go on in a later call
+with the others still running (partial rollouts, rlray.rollout.partial).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Trajectory:
     versions: Versions | None = None
     """The policy versions of its first turn's first step and of its last turn's last
     step; None before its first turn."""
+    attempt: str = ""
+    """The generation attempt's tag (the last part of its episode's id)."""
+    ended: bool = False
+    """No turn or observation is left to come: its completion is whole."""
 
     @property
     def context(self) -> list[int]:
@@ -119,45 +125,108 @@ def run_trajectories(
     sampling: Callable[[Trajectory, int], Any],
     limits: TurnLimits,
 ) -> None:
-    """Runs every trajectory to its end, filling in its completion.
+    """Runs every trajectory to its end, filling in its completion (TrajectoryRunner)."""
+    runner = TrajectoryRunner(engine, encode, sampling, limits, threads=len(trajectories))
+    try:
+        runner.start(trajectories)
+        runner.run()
+    finally:
+        runner.close()
 
-    `engine` is a session of the worker's vLLM engine (add_request, step, abort_request;
-    rlray.rollout.engine_loop), `encode`
-    the tokenizer's text -> ids without special tokens (for observations), and
-    `sampling(trajectory, max_tokens)` the SamplingParams of its next turn."""
-    in_engine: dict[str, Trajectory] = {}
-    stepping: dict[Future, tuple[Trajectory, float]] = {}
-    workers = min(MAX_ENVIRONMENT_THREADS, max(1, len(trajectories)))
-    with (
-        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment") as pool,
-        _aborted_on_error(engine, in_engine),
+
+class TrajectoryRunner:
+    """Runs trajectories turn by turn on a session of the worker's vLLM engine.
+
+    `engine` is the session (add_request, step, abort_request; rlray.rollout.engine_loop),
+    `encode` the tokenizer's text -> ids without special tokens (for observations), and
+    `sampling(trajectory, max_tokens)` the SamplingParams of its next turn. Trajectories
+    started in one call may end in a later one: `run(until)` returns once `until()`
+    holds, the others still running (their environments' steps go on in their threads)."""
+
+    def __init__(
+        self,
+        engine: Session,
+        encode: Callable[[str], list[int]],
+        sampling: Callable[[Trajectory, int], Any],
+        limits: TurnLimits,
+        threads: int = MAX_ENVIRONMENT_THREADS,
     ):
+        self.engine = engine
+        self.encode = encode
+        self.sampling = sampling
+        self.limits = limits
+        workers = min(MAX_ENVIRONMENT_THREADS, max(1, threads))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment")
+        self.in_engine: dict[str, Trajectory] = {}
+        """Trajectories whose turn the engine is generating, by request id."""
+        self.stepping: dict[Future, tuple[Trajectory, float]] = {}
+        """Trajectories whose environment is answering, and since when."""
+
+    @property
+    def running(self) -> bool:
+        return bool(self.in_engine or self.stepping)
+
+    def start(self, trajectories: list[Trajectory]) -> None:
+        """Resets each trajectory's environment; its first turn follows."""
         for t in trajectories:
-            stepping[pool.submit(call_maybe_async, t.environment.reset, t.row)] = (t, time.time())
-        while in_engine or stepping:
-            if in_engine:
-                for output in engine.step():
-                    if output.finished:
-                        t = in_engine.pop(output.request_id)
-                        _take_versions(t, engine.versions.pop(output.request_id))
-                        if _take_turn(t, output.outputs[0], limits):
-                            step = pool.submit(call_maybe_async, t.environment.step, t.pieces[-1])
-                            stepping[step] = (t, time.time())
-            # Observations that are back go in at once; with nothing to generate, the
-            # loop waits for the next one instead of spinning.
-            timeout = 0 if in_engine else None
-            finished, _ = wait(list(stepping), timeout=timeout, return_when=FIRST_COMPLETED)
-            for future in finished:
-                t, started = stepping.pop(future)
-                if _take_observation(t, future, started, encode, limits):
-                    request = f"{t.key}-turn{t.turns}"
-                    budget = limits.max_completion_tokens - len(t.completion_token_ids)
-                    max_tokens = min(limits.max_new_tokens, budget)
-                    engine.add_request(
-                        request, {"prompt_token_ids": t.context}, sampling(t, max_tokens)
-                    )
-                    t.turn_started = time.time()
-                    in_engine[request] = t
+            reset = self.pool.submit(call_maybe_async, t.environment.reset, t.row)
+            self.stepping[reset] = (t, time.time())
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Runs the trajectories until every one ended or `until()` holds (checked after
+        each engine step or observation)."""
+        with _aborted_on_error(self.engine, self.in_engine):
+            while self.running and not (until is not None and until()):
+                self._advance()
+
+    def first_version(self, t: Trajectory) -> int:
+        """Returns the policy version the trajectory's first turn started under (or
+        will: the engine's current one, if its first turn is still to come)."""
+        if t.versions is not None:
+            return t.versions.first
+        request = next((r for r, other in self.in_engine.items() if other is t), None)
+        return self.engine.first_version(request) if request else self.engine.loop.version
+
+    def close(self) -> None:
+        """Aborts the turns still in the engine and ends the environments' threads."""
+        if self.in_engine:
+            self.engine.abort_request(list(self.in_engine))
+            self.in_engine.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.stepping.clear()
+
+    def _advance(self) -> None:
+        """Takes an engine step (if a turn is running), then every observation that is
+        back; with nothing to generate, waits for the next observation."""
+        if self.in_engine:
+            for output in self.engine.step():
+                if output.finished:
+                    t = self.in_engine.pop(output.request_id)
+                    _take_versions(t, self.engine.versions.pop(output.request_id))
+                    if _take_turn(t, output.outputs[0], self.limits):
+                        step = self.pool.submit(call_maybe_async, t.environment.step, t.pieces[-1])
+                        self.stepping[step] = (t, time.time())
+                    else:
+                        t.ended = True
+        # Observations that are back go in at once; with nothing to generate, the loop
+        # waits for the next one instead of spinning.
+        timeout = 0 if self.in_engine else None
+        finished, _ = wait(list(self.stepping), timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in finished:
+            t, started = self.stepping.pop(future)
+            if _take_observation(t, future, started, self.encode, self.limits):
+                self._submit_turn(t)
+            else:
+                t.ended = True
+
+    def _submit_turn(self, t: Trajectory) -> None:
+        request = f"{t.key}-turn{t.turns}"
+        budget = self.limits.max_completion_tokens - len(t.completion_token_ids)
+        max_tokens = min(self.limits.max_new_tokens, budget)
+        prompt = {"prompt_token_ids": t.context}
+        self.engine.add_request(request, prompt, self.sampling(t, max_tokens))
+        t.turn_started = time.time()
+        self.in_engine[request] = t
 
 
 @contextlib.contextmanager
@@ -169,6 +238,7 @@ def _aborted_on_error(engine: Session, in_engine: dict[str, Trajectory]) -> Iter
     except BaseException:
         if in_engine:
             engine.abort_request(list(in_engine))
+            in_engine.clear()
         raise
 
 

@@ -16,14 +16,23 @@ was left before it).
 A group is carried only while it stays fresh enough to be trained: a call is given the
 oldest policy version (`carry_floor`) a request still running may have started under,
 and steps on until every running request started at or after it.
+
+Multi-turn trajectories (rollout.environment) are carried the same way
+(`PartialTrajectories`): a group is a prompt's trajectories, whole once each ended, and
+a trajectory's version is its first turn's; one left running keeps its turns, its
+environment and any step of it under way, and goes on with its next turn in the next
+call.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlray.rollout.engine_loop import EngineLoop, Versions
+from rlray.rollout.multiturn import Trajectory, TrajectoryRunner
 
 
 @dataclass
@@ -40,31 +49,21 @@ class Group:
         return len(self.outputs) == len(self.keys)
 
 
-class PartialBatches:
-    """The groups of one engine that callers started and have not taken yet."""
+class _Carried(ABC):
+    """What both kinds of partial rollout share: the groups callers started and have not
+    taken yet, by prompt index (a dict keeps them in the order they were started), and
+    when a call may stop. A kind says how the engine runs (`_run`), when a group is
+    whole and the oldest version it started under, and what an error leaves (`_forget`)."""
 
-    def __init__(self, loop: EngineLoop):
-        self.session = loop.session()
-        self.groups: dict[int, Group] = {}
-        """By prompt index; a dict keeps them in the order they were started."""
-        self.group_of: dict[str, int] = {}
-        """Each running request's prompt index."""
-
-    def add(self, prompt_index: int, requests: list[tuple[str, Any, Any, Any]]) -> None:
-        """Starts a group: (request id, prompt, sampling params, key) per sample."""
-        group = Group(prompt_index, {rid: key for rid, _, _, key in requests})
-        self.groups[prompt_index] = group
-        for rid, prompt, params, _ in requests:
-            self.group_of[rid] = prompt_index
-            self.session.add_request(rid, prompt, params)
+    groups: dict[int, Any]
 
     def carried_from(self) -> int | None:
         """Returns the lowest prompt index of a group still held; None if none."""
         return min(self.groups, default=None)
 
-    def take(self, started: list[int], may_leave: int, carry_floor: int | None) -> list[Group]:
-        """Steps the engine until at most `may_leave` of the groups `started` (this
-        call's prompt indices) are unfinished, every unfinished group started at or after
+    def take(self, started: list[int], may_leave: int, carry_floor: int | None) -> list[Any]:
+        """Runs the engine until at most `may_leave` of the groups `started` (this call's
+        prompt indices) are unfinished, every unfinished group started at or after
         version `carry_floor`, and as many groups as `started` are whole (unless nothing
         was held before this call: a run's first batch is short). Removes and returns
         that many whole groups, oldest first, and every whole group older than the floor;
@@ -72,15 +71,9 @@ class PartialBatches:
         wanted = len(started) if carry_floor is not None else len(self.groups)
         first_batch = len(self.groups) == len(started)
         try:
-            with self.session.aborted_on_error():
-                while self.session.pending and not self._may_stop(
-                    started, may_leave, carry_floor, wanted, first_batch
-                ):
-                    for output in self.session.step():
-                        self._finished(output)
+            self._run(lambda: self._may_stop(started, may_leave, carry_floor, wanted, first_batch))
         except BaseException:
-            self.groups.clear()  # their requests were aborted: none can become whole
-            self.group_of.clear()
+            self._forget()  # their requests were aborted: none can become whole
             raise
         return self._remove_whole(wanted, carry_floor)
 
@@ -94,26 +87,68 @@ class PartialBatches:
     ) -> bool:
         if carry_floor is None:
             return False
-        unfinished = [g for g in self.groups.values() if not g.whole]
+        unfinished = [index for index, g in self.groups.items() if not self._whole(g)]
         if not first_batch and len(self.groups) - len(unfinished) < wanted:
             return False
-        started_set = set(started)
-        if sum(g.prompt_index in started_set for g in unfinished) > may_leave:
+        if len(set(unfinished).intersection(started)) > may_leave:
             return False
-        return all(self._first_version(g) >= carry_floor for g in unfinished)
+        return all(self._first_version(self.groups[i]) >= carry_floor for i in unfinished)
 
-    def _remove_whole(self, wanted: int, carry_floor: int | None) -> list[Group]:
+    def _remove_whole(self, wanted: int, carry_floor: int | None) -> list[Any]:
         """Removes and returns the oldest `wanted` whole groups, and any other whole one
         that started before `carry_floor` (too old to wait for the next call)."""
-        whole = [g for g in self.groups.values() if g.whole]
+        whole = [(index, g) for index, g in self.groups.items() if self._whole(g)]
         taken = [
-            g
-            for i, g in enumerate(whole)
+            (index, g)
+            for i, (index, g) in enumerate(whole)
             if i < wanted or carry_floor is None or self._first_version(g) < carry_floor
         ]
-        for group in taken:
-            del self.groups[group.prompt_index]
-        return taken
+        for index, _ in taken:
+            del self.groups[index]
+        return [g for _, g in taken]
+
+    @abstractmethod
+    def _run(self, until: Callable[[], bool]) -> None:
+        """Runs the engine until `until()` holds or nothing is left running."""
+
+    @abstractmethod
+    def _whole(self, group: Any) -> bool:
+        """Returns whether every sample of the group is done."""
+
+    @abstractmethod
+    def _first_version(self, group: Any) -> int:
+        """Returns the oldest policy version a sample of the group started under."""
+
+    @abstractmethod
+    def _forget(self) -> None:
+        """Drops every group, after an error aborted their requests."""
+
+
+class PartialBatches(_Carried):
+    """Single-turn groups of one engine: each sample one request."""
+
+    def __init__(self, loop: EngineLoop):
+        self.session = loop.session()
+        self.groups: dict[int, Group] = {}
+        self.group_of: dict[str, int] = {}
+        """Each running request's prompt index."""
+
+    def add(self, prompt_index: int, requests: list[tuple[str, Any, Any, Any]]) -> None:
+        """Starts a group: (request id, prompt, sampling params, key) per sample."""
+        group = Group(prompt_index, {rid: key for rid, _, _, key in requests})
+        self.groups[prompt_index] = group
+        for rid, prompt, params, _ in requests:
+            self.group_of[rid] = prompt_index
+            self.session.add_request(rid, prompt, params)
+
+    def _run(self, until: Callable[[], bool]) -> None:
+        with self.session.aborted_on_error():
+            while self.session.pending and not until():
+                for output in self.session.step():
+                    self._finished(output)
+
+    def _whole(self, group: Group) -> bool:
+        return group.whole
 
     def _first_version(self, group: Group) -> int:
         """The oldest version a request of the group started under."""
@@ -122,7 +157,45 @@ class PartialBatches:
             for rid in group.keys
         )
 
+    def _forget(self) -> None:
+        self.groups.clear()
+        self.group_of.clear()
+
     def _finished(self, output: Any) -> None:
         prompt_index = self.group_of.pop(output.request_id)
         versions = self.session.versions.pop(output.request_id)
         self.groups[prompt_index].outputs[output.request_id] = (output, versions)
+
+
+class PartialTrajectories(_Carried):
+    """Multi-turn groups of one engine: each sample a trajectory, run by a
+    TrajectoryRunner made when the first group starts (and made again after an error)."""
+
+    def __init__(self, make_runner: Callable[[], TrajectoryRunner]):
+        self.make_runner = make_runner
+        self.runner: TrajectoryRunner | None = None
+        self.groups: dict[int, list[Trajectory]] = {}
+
+    def add(self, prompt_index: int, trajectories: list[Trajectory]) -> None:
+        """Starts a group: one prompt's trajectories."""
+        if self.runner is None:
+            self.runner = self.make_runner()
+        self.groups[prompt_index] = trajectories
+        self.runner.start(trajectories)
+
+    def _run(self, until: Callable[[], bool]) -> None:
+        if self.runner is not None:
+            self.runner.run(until)
+
+    def _whole(self, group: list[Trajectory]) -> bool:
+        return all(t.ended for t in group)
+
+    def _first_version(self, group: list[Trajectory]) -> int:
+        assert self.runner is not None  # a group was added
+        return min(self.runner.first_version(t) for t in group)
+
+    def _forget(self) -> None:
+        self.groups.clear()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None

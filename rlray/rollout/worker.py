@@ -26,12 +26,13 @@ from rlray.rollout.engine_loop import EngineLoop, Versions
 from rlray.rollout.environments import load_environment
 from rlray.rollout.multiturn import (
     Trajectory,
+    TrajectoryRunner,
     TurnLimits,
     run_trajectories,
     tool_calls,
     turn_limits,
 )
-from rlray.rollout.partial import PartialBatches
+from rlray.rollout.partial import PartialBatches, PartialTrajectories
 from rlray.rollout.sampling import Generated, sampling_seed, stop_settings
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
@@ -217,6 +218,8 @@ class RolloutWorker:
         self.loop = EngineLoop(self.llm.llm_engine, policy_version)
         self.partial = PartialBatches(self.loop)
         """Groups a partial rollout left running (generate_carrying)."""
+        self.partial_turns = PartialTrajectories(self._trajectory_runner)
+        """The same for multi-turn trajectories (rollout.environment)."""
         # A fast tokenizer may not be used by two threads at once ("Already borrowed").
         self.tokenizer_lock = threading.Lock()
         logging.getLogger("vllm").addFilter(_DropRotaryReloadWarning())
@@ -327,7 +330,10 @@ class RolloutWorker:
         once at most rollout.in_flight_carry of them are unfinished and every group
         still running started at or after policy version `carry_floor`; those stay in
         the engine for the next call. Returns every whole group, this call's and earlier
-        calls', oldest first. `carry_floor` None returns every group held (a run's end)."""
+        calls', oldest first. `carry_floor` None returns every group held (a run's end).
+        Multi-turn trajectories (rollout.environment) are carried alike."""
+        if self.make_environment is not None:
+            return self._carry_turns(rows, first_prompt_index, carry_floor)
         started = time.perf_counter()
         rollout = self.rollout
         indices = [first_prompt_index + offset for offset in range(len(rows))]
@@ -356,6 +362,36 @@ class RolloutWorker:
         stats.first_prompt_index = min((g.prompt_index for g in groups), default=None)
         stats.carried_from = self.partial.carried_from()
         return episodes, stats
+
+    def _carry_turns(
+        self, rows: list[PromptRow], first_prompt_index: int, carry_floor: int | None
+    ) -> tuple[list[Episode], GenerateStats]:
+        """generate_carrying for multi-turn trajectories (rlray.rollout.partial)."""
+        started = time.perf_counter()
+        samples = self.rollout.samples_per_prompt
+        trajectories = self._trajectories(
+            rows, first_prompt_index, self.make_environment, new_attempt()
+        )
+        indices = [first_prompt_index + offset for offset in range(len(rows))]
+        for offset, index in enumerate(indices):
+            self.partial_turns.add(index, trajectories[offset * samples : (offset + 1) * samples])
+        may_leave = int(len(rows) * self.rollout.in_flight_carry)
+        groups = self.partial_turns.take(indices, may_leave, carry_floor)
+        now = time.time()
+        episodes = [self._trajectory_episode(t, now) for group in groups for t in group]
+        seconds = time.perf_counter() - started
+        tokens = sum(sum(e.completion_mask) for e in episodes)
+        stats = self._stats(episodes, tokens, seconds, *tool_calls(episodes))
+        stats.first_prompt_index = min((g[0].prompt_index for g in groups), default=None)
+        stats.carried_from = self.partial_turns.carried_from()
+        return episodes, stats
+
+    def _trajectory_runner(self) -> TrajectoryRunner:
+        """Returns a runner of this worker's training trajectories (partial rollouts)."""
+        sampling = self._turns(self.rollout.temperature)
+        return TrajectoryRunner(
+            self.loop.session(), self._encode, sampling, turn_limits(self.rollout)
+        )
 
     def complete(
         self,
@@ -444,16 +480,31 @@ class RolloutWorker:
         prompt at `temperature` (default rollout.temperature; 0 is greedy), each with a
         fresh environment (default rollout.environment's), generated turn by turn within
         `limits` (default the rollout settings'; rlray.rollout.multiturn)."""
-        from vllm import SamplingParams  # imported once vllm_env is set (see __init__)
-
         rollout = self.rollout
         make_environment = make_environment or self.make_environment
         limits = limits or turn_limits(rollout)
-        samples = rollout.samples_per_prompt if samples is None else samples
         temperature = rollout.temperature if temperature is None else temperature
-        attempt = new_attempt()
+        trajectories = self._trajectories(
+            rows, first_prompt_index, make_environment, new_attempt(), samples
+        )
+        session = self.loop.session()
+        run_trajectories(session, self._encode, trajectories, self._turns(temperature), limits)
+        now = time.time()
+        return [self._trajectory_episode(t, now) for t in trajectories]
+
+    def _trajectories(
+        self,
+        rows: list[PromptRow],
+        first_prompt_index: int,
+        make_environment: Callable[[], Any],
+        attempt: str,
+        samples: int | None = None,
+    ) -> list[Trajectory]:
+        """Returns `samples` (default rollout.samples_per_prompt) trajectories per row, in
+        row order, each with a fresh environment."""
+        samples = self.rollout.samples_per_prompt if samples is None else samples
         rendered = [self.render(row) for row in rows]  # chat prompts by the chat template
-        trajectories = [
+        return [
             Trajectory(
                 key=f"{first_prompt_index + offset}-{sample}-{attempt}",
                 row=row,
@@ -462,10 +513,15 @@ class RolloutWorker:
                 prompt_index=first_prompt_index + offset,
                 sample_index=sample,
                 prompt_text=rendered[offset].text,
+                attempt=attempt,
             )
             for offset, row in enumerate(rows)
             for sample in range(samples)
         ]
+
+    def _turns(self, temperature: float) -> Callable[[Trajectory, int], Any]:
+        """Returns the SamplingParams of a trajectory's next turn, given its token limit."""
+        from vllm import SamplingParams  # imported once vllm_env is set (see __init__)
 
         def sampling(t: Trajectory, max_tokens: int) -> SamplingParams:
             return SamplingParams(
@@ -476,19 +532,18 @@ class RolloutWorker:
                 **stop_settings(self.rollout),
             )
 
-        def encode(text: str) -> list[int]:
-            with self.tokenizer_lock:
-                return self.tokenizer(text, add_special_tokens=False).input_ids
+        return sampling
 
-        run_trajectories(self.loop.session(), encode, trajectories, sampling, limits)
-        now = time.time()
-        return [self._trajectory_episode(t, now, attempt) for t in trajectories]
+    def _encode(self, text: str) -> list[int]:
+        """Returns an observation's token ids (no special tokens added)."""
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def _trajectory_episode(self, t: Trajectory, now: float, attempt: str) -> Episode:
+    def _trajectory_episode(self, t: Trajectory, now: float) -> Episode:
         index, sample = t.prompt_index, t.sample_index
         return Episode(
             run_id=self.run_id,
-            episode_id=f"{self.run_id}-{index}-{sample}-{attempt}",
+            episode_id=f"{self.run_id}-{index}-{sample}-{t.attempt}",
             prompt_index=index,
             sample_index=sample,
             prompt=t.prompt_text,
