@@ -257,7 +257,7 @@ def carry_trajectories_across_a_load(host, old, new) -> dict:
     second = partial.take([4, 5], may_leave=0, carry_floor=1)
     held_after = list(partial.groups)
     rest = partial.take([], may_leave=0, carry_floor=None)
-    partial._forget()  # ends the runner's threads
+    partial.drop_all()  # ends the runner's threads
     return {
         name: [(g[0].prompt_index, trajectory_versions(g)) for g in taken]
         for name, taken in (("first", first), ("second", second), ("rest", rest))
@@ -276,7 +276,7 @@ def generate_carrying_turns(host) -> tuple:
         last = worker.generate_carrying([], 0, carry_floor=None)
     finally:
         worker.rollout, worker.make_environment = rollout, None
-        worker.partial_turns._forget()
+        worker.partial_turns.drop_all()
     return first, last
 
 

@@ -53,7 +53,7 @@ class _Carried(ABC):
     """What both kinds of partial rollout share: the groups callers started and have not
     taken yet, by prompt index (a dict keeps them in the order they were started), and
     when a call may stop. A kind says how the engine runs (`_run`), when a group is
-    whole and the oldest version it started under, and what an error leaves (`_forget`)."""
+    whole and the oldest version it started under, and what an error leaves (`drop_all`)."""
 
     groups: dict[int, Any]
 
@@ -73,7 +73,7 @@ class _Carried(ABC):
         try:
             self._run(lambda: self._may_stop(started, may_leave, carry_floor, wanted, first_batch))
         except BaseException:
-            self._forget()  # their requests were aborted: none can become whole
+            self.drop_all()  # their requests were aborted: none can become whole
             raise
         return self._remove_whole(wanted, carry_floor)
 
@@ -120,8 +120,8 @@ class _Carried(ABC):
         """Returns the oldest policy version a sample of the group started under."""
 
     @abstractmethod
-    def _forget(self) -> None:
-        """Drops every group, after an error aborted their requests."""
+    def drop_all(self) -> None:
+        """Drops every group: an error aborted their requests, or the engine shuts down."""
 
 
 class PartialBatches(_Carried):
@@ -157,7 +157,7 @@ class PartialBatches(_Carried):
             for rid in group.keys
         )
 
-    def _forget(self) -> None:
+    def drop_all(self) -> None:
         self.groups.clear()
         self.group_of.clear()
 
@@ -194,7 +194,7 @@ class PartialTrajectories(_Carried):
         assert self.runner is not None  # a group was added
         return min(self.runner.first_version(t) for t in group)
 
-    def _forget(self) -> None:
+    def drop_all(self) -> None:
         self.groups.clear()
         if self.runner is not None:
             self.runner.close()

@@ -654,7 +654,9 @@ class RolloutWorker:
         """Shuts the engine down. It runs in this process (vllm_env turns vLLM's
         multiprocessing off): shutting it down frees its weights and KV cache (vLLM
         gc.freeze()s them at start) and its torch.distributed group, which the next
-        engine in this process creates again."""
+        engine in this process creates again. Trajectories carried by partial rollouts
+        end here, with their environments' threads."""
+        self.partial_turns.drop_all()
         self.llm.llm_engine.engine_core.shutdown()
 
     # vLLM's weight-transfer engine (rollout.weight_sync nccl or gloo; rlray.weights.transfer):
