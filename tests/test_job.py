@@ -228,10 +228,12 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
         assert set(split) == {*PHASES, "other", "total"}
         assert min(split.values()) >= 0
         assert sum(v for k, v in split.items() if k != "total") == pytest.approx(split["total"])
-        # Every step syncs (sync_every 1); evaluations and checkpoints land where they ran.
+        # Every step syncs (sync_every 1); checkpoints land where they ran, evaluations
+        # where the driver waited for them: step 0's ran beside step 1's training
+        # (eval.beside_training), the last one (step 5's) after its step.
         assert split["weight_sync"] > 0
         assert split["parity_check"] == 0  # max_staleness 0: each batch shows parity
-        assert (split["evaluation"] > 0) == (record.get("eval_accuracy") is not None)
+        assert (split["evaluation"] > 0) == (record["step"] in (1, 5))
         assert (split["checkpoint"] > 0) == ("checkpoint" in record)
         assert record["memory_gib"] > 0.3  # at least vLLM's process
     for record in records[1:]:  # learner steps: some generation, scoring and training
@@ -305,6 +307,10 @@ def test_a_colocated_run_takes_the_disaggregated_runs_steps(five_step_runs):
         summary["final_eval_accuracy"]
         == json.loads((root / "a" / "summary.json").read_text())["final_eval_accuracy"]
     )
+    # Evaluations between steps, as colocated they all are: step 0's, the base model's,
+    # is never checkpointed; the last step's is (checkpoint_every 3).
+    saved = sorted(p.name for p in (root / "colocated" / "checkpoints").iterdir() if p.is_dir())
+    assert saved == ["step-000003", "step-000005"]
 
 
 @pytest.mark.slow
@@ -743,6 +749,18 @@ def test_evaluations_score_with_the_eval_rewards_and_keep_the_best_checkpoint(ov
         assert (Path(best["checkpoint"]) / "policy" / "config.json").is_file()
     improved = [r for i, r in enumerate(evals[1:], 1) if values[i] > max(values[:i])]
     assert all(r["checkpoint"].endswith(f"step-{r['step']:06d}") for r in improved)
+    # Every evaluation but the last ran beside the next step's training
+    # (eval.beside_training): the time the driver waited for it is in that step's
+    # split, and the checkpoint taken for it before its verdict was kept only if it
+    # improved. Each evaluated the policy of its own step all the same.
+    records = {r["step"]: r for r in read_metrics(run_dir)}
+    waited = [s for s, r in records.items() if r["phase_seconds"]["evaluation"] > 0]
+    assert waited == [1, 3, 5, 6]
+    assert [r["eval_policy_version"] for r in evals] == [0, 2, 4, 6]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    kept = {3, 6} | {r["step"] for r in improved}
+    assert saved == [f"step-{s:06d}" for s in sorted(kept)]
+    assert [s for s, r in records.items() if "checkpoint" in r] == sorted(kept)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best_eval"] == best
     assert f"best: exact_match/pass@2 {best['value']:.3f} at step {best['step']}" in result.stdout

@@ -13,7 +13,7 @@ import torch
 from rlray.algorithms.rl_math import NonFiniteError
 from rlray.config import Config
 from rlray.config.schema import Advantage, LossAggregation, PolicyLoss
-from rlray.core.checkpoints import latest_checkpoint
+from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.episode import Episode, EpisodeError
 from rlray.data.models import resolve_model_path
 from rlray.learner.engine import Outputs, collate
@@ -525,6 +525,32 @@ def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, de
     assert (one.policy_loss, one.value_loss) == pytest.approx(
         (two.policy_loss, two.value_loss), rel=1e-6
     )
+
+
+def test_a_staged_checkpoint_is_resumable_only_once_kept(model_path, device, tmp_path):
+    # A step's checkpoint taken before its evaluation (eval.beside_training): whole, but
+    # neither resumed from nor the latest until the verdict keeps it; a discarded one is gone.
+    learner = make_learner(model_path, device)
+    first = learner.save_checkpoint(tmp_path, prompt_cursor=8)
+    learner.train_step(episodes_for(learner, {"46": 1.0, "45": 0.0, "47": 0.0, "56": 0.0}))
+    staged = learner.save_checkpoint(tmp_path, prompt_cursor=40, publish=False)
+    assert staged.name == ".staging-000001" and checkpoint_problem(staged) is None
+    assert latest_checkpoint(tmp_path) == first
+    kept = learner.publish_staged(tmp_path, 1, keep=True)
+    assert kept == tmp_path / "checkpoints" / "step-000001" and not staged.exists()
+    assert latest_checkpoint(tmp_path) == kept
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-000001"
+    resumed = make_learner(model_path, device, str(kept))
+    assert resumed.state() == {"version": 1, "prompt_cursor": 40}
+    learner.train_step(episodes_for(learner, {"46": 1.0, "45": 0.0, "47": 0.0, "56": 0.0}))
+    staged = learner.save_checkpoint(tmp_path, prompt_cursor=72, publish=False)
+    assert learner.publish_staged(tmp_path, 2, keep=False) is None
+    assert not staged.exists() and latest_checkpoint(tmp_path) == kept
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step-000000",
+        "step-000001",
+    ]
 
 
 def parameters(learner: Learner) -> list[torch.Tensor]:

@@ -136,8 +136,11 @@ class LearnerActor(_GroupMember):
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         return self.learner.logprobs(episodes)
 
-    def save_checkpoint(self, run_dir: str, prompt_cursor: int) -> Path:
-        return self.learner.save_checkpoint(run_dir, prompt_cursor)
+    def save_checkpoint(self, run_dir: str, prompt_cursor: int, publish: bool = True) -> Path:
+        return self.learner.save_checkpoint(run_dir, prompt_cursor, publish)
+
+    def publish_staged(self, run_dir: str, version: int, keep: bool) -> Path | None:
+        return self.learner.publish_staged(run_dir, version, keep)
 
     def state(self) -> dict[str, Any]:
         return self.learner.state()

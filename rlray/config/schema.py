@@ -464,6 +464,12 @@ class EvalConfig:
     """The metric that picks the best checkpoint (checkpoints/best.json): "reward" (the
     weighted total) or a component's name, then /greedy_accuracy, /mean or /pass@K;
     empty: no best checkpoint is kept."""
+    beside_training: bool = True
+    """In the disaggregated placement, an evaluation (but the last) runs beside the next
+    step's training, on rollout-0's idle time, instead of between the two steps: its
+    metrics.jsonl line is written after that step, and its step's checkpoint, taken
+    before the verdict, is kept only if the evaluation is the best (or the step is a
+    checkpoint's). false: every evaluation waits, as in the colocated placement."""
 
 
 @dataclass

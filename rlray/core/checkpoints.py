@@ -130,14 +130,25 @@ def staging_directory(run_dir: str | Path, version: int, create: bool = True) ->
 
 
 def publish_checkpoint(staging: Path, state: dict[str, Any]) -> Path:
+    """Seals a fully written staging directory (`seal_checkpoint`) and publishes it
+    (`publish_sealed`); returns its path."""
+    seal_checkpoint(staging, state)
+    return publish_sealed(staging)
+
+
+def seal_checkpoint(staging: Path, state: dict[str, Any]) -> None:
     """Writes state.json, with the manifest of every file, into a fully written staging
-    directory, renames it to checkpoints/step-NNNNNN and points checkpoints/latest at it
-    (each step atomic, so a crash leaves the previous checkpoint the latest); returns its
-    path."""
-    root = staging.parent
-    final = root / f"step-{state['version']:06d}"
+    directory: whole from then on, whether or not it is published."""
     state = {**state, "files": file_manifest(staging)}
     (staging / STATE).write_text(json.dumps(state, indent=2))
+
+
+def publish_sealed(staging: Path) -> Path:
+    """Renames a sealed staging directory to checkpoints/step-NNNNNN and points
+    checkpoints/latest at it (each step atomic, so a crash leaves the previous
+    checkpoint the latest); returns its path."""
+    root = staging.parent
+    final = root / f"step-{checkpoint_version(staging):06d}"
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     (root / f"{LATEST}.tmp").write_text(final.name)

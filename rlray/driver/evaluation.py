@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
 from rlray.config import EvalConfig
 from rlray.core.checkpoints import BEST
@@ -116,13 +117,10 @@ class Evaluator:
         """Returns the held-out evaluation of policy `version`: greedy and eval.samples
         sampled completions per prompt, scored by the eval rewards."""
         rollout, reward = self.actors.rollout[0], self.actors.reward[0]
-        settings = self.settings
         made: dict[str, Any] = {}
 
         def generate() -> Any:
-            made["episodes"], result = rollout.eval_episodes.options(num_returns=2).remote(
-                self.rows, settings.samples, settings.temperature
-            )
+            made["episodes"], result = self._generate(rollout)
             return result
 
         with self.clock.phase("evaluation"):
@@ -132,7 +130,56 @@ class Evaluator:
                 lambda: reward.evaluate.remote(made["episodes"], version),
                 "score evaluation",
             )
-        return summarize_evaluation(f"step {version}", result, samples, settings)
+        return summarize_evaluation(f"step {version}", result, samples, self.settings)
+
+    def start(self, version: int) -> PendingEvaluation:
+        """Starts the held-out evaluation of policy `version` (generation, then scoring,
+        chained in the object store) and returns at once; `finish` waits for it."""
+        episodes, result = self._generate(self.actors.rollout[0])
+        samples = self.actors.reward[0].evaluate.remote(episodes, version)
+        return PendingEvaluation(version, result, samples)
+
+    def finish(self, pending: PendingEvaluation) -> Evaluation:
+        """Returns a started evaluation's result. If rollout-0 or reward-0 died under
+        it, the evaluation runs again, on the policy rollout-0 then holds (its
+        eval_policy_version says which)."""
+        calls = [
+            (self.actors.rollout_names[0], pending.result, "evaluate"),
+            (self.actors.reward_names[0], pending.samples, "score evaluation"),
+        ]
+        got = []
+        with self.clock.phase("evaluation"):
+            for name, ref, what in calls:
+                try:
+                    got.append(self.recovery.call(name, ref, what))
+                except ActorFailure as err:
+                    if not err.died:
+                        raise
+                    self.recovery.recover(name, err)
+                    break
+            else:
+                return summarize_evaluation(f"step {pending.version}", *got, self.settings)
+        logger.warning("evaluation of step %d: evaluating again", pending.version)
+        return self.evaluate(pending.version)
+
+    def _generate(self, rollout: Any) -> tuple[Any, Any]:
+        """Starts rollout-0's held-out generation: (episodes, result) ObjectRefs."""
+        settings = self.settings
+        return rollout.eval_episodes.options(num_returns=2).remote(
+            self.rows, settings.samples, settings.temperature
+        )
+
+
+@dataclass
+class PendingEvaluation:
+    """A held-out evaluation under way (Evaluator.start): its ObjectRefs."""
+
+    version: int
+    """The learner version the evaluation was started at."""
+    result: Any
+    """rollout-0's EvalResult."""
+    samples: Any
+    """reward-0's scored samples."""
 
 
 class BestCheckpoint:

@@ -111,15 +111,25 @@ class RunLog:
     def step(self, step: int, record: dict[str, Any], evaluation: Evaluation | None) -> None:
         """Writes step `step`'s metrics.jsonl line (the evaluation's too, if any), prints
         progress and keeps the best checkpoint's record."""
-        if evaluation is not None:
-            record.update(evaluation.record())
-            self._evaluated(step, evaluation, record.get("checkpoint"))
+        self.timed(step, record)
+        self.write(step, record, evaluation)
+
+    def timed(self, step: int, record: dict[str, Any]) -> None:
+        """Adds the step's time split, elapsed time and memory to its record, and counts
+        its episodes: what `step` does first, done apart for a step whose evaluation
+        comes after the next step's training."""
         self.episodes += record.get("episodes", 0)
         self.learner_tokens["computed"] += record.get("learner_tokens_computed", 0)
         self.learner_tokens["padding"] += record.get("learner_padding_tokens", 0)
         record["elapsed_seconds"] = time.perf_counter() - self.started
         record["phase_seconds"] = self.clock.lap()
         record["memory_gib"] = gib(self.memory.last_bytes if step else self.memory.sample())
+
+    def write(self, step: int, record: dict[str, Any], evaluation: Evaluation | None) -> None:
+        """Writes a timed record's metrics.jsonl line, with its evaluation if any."""
+        if evaluation is not None:
+            record.update(evaluation.record())
+            self._evaluated(step, evaluation, record.get("checkpoint"))
         self.metrics.write(record)
         if step:
             self.progress.stepped(record)

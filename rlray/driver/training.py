@@ -22,7 +22,7 @@ from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config, partial_rollouts
 from rlray.core.interrupts import interrupts_held
 from rlray.core.stats import StoreStats, metrics_dict
-from rlray.driver.evaluation import Evaluation, Evaluator
+from rlray.driver.evaluation import Evaluation, Evaluator, PendingEvaluation
 from rlray.driver.plan import RunPlan
 from rlray.driver.recovery import Recovery
 from rlray.driver.rollouts import InFlight, Rollouts
@@ -97,6 +97,9 @@ class TrainingDriver:
         self.next_batch_id = 0
         self.training: list[BufferedBatch] = []
         """The batches of the learner step under way (stored once it succeeded)."""
+        self.evaluation_due: int | None = None
+        """The version whose evaluation the next step starts beside its training."""
+        self.pending_evaluation: PendingEvaluation | None = None
         self.recovery.restorers["buffer"] = self._restore_buffer
 
     # ------------------------------------------------------------------ generation
@@ -192,6 +195,9 @@ class TrainingDriver:
             self.rollouts.wait()
         if self.actors.ingest is not None:
             self.actors.ingest.set_step.remote(self.learner_version)
+        if self.evaluation_due is not None:  # rollout-0 evaluates while the learner trains
+            self.pending_evaluation = self.evaluator.start(self.evaluation_due)
+            self.evaluation_due = None
         self.fill()  # with max_staleness >= 1 generation overlaps training
         with self.clock.phase("training"):
             metrics = self.recovery.call("learner", train, "train step")
@@ -248,16 +254,46 @@ class TrainingDriver:
         """Returns the held-out evaluation of the current policy."""
         return self.evaluator.evaluate(self.learner_version)
 
-    def save_checkpoint(self) -> Path:
+    @property
+    def evaluates_beside_training(self) -> bool:
+        """Whether an evaluation may run beside the next step's training: in the
+        disaggregated placement rollout-0 idles for part of each step (eval.beside_training)."""
+        return self.config.eval.beside_training and self.config.ray.placement != "colocated"
+
+    def evaluate_beside_next_step(self) -> None:
+        """Has the next train_step start the held-out evaluation of the current policy
+        once its training has started; `finish_evaluation` returns it after the step,
+        before the weights on rollout-0 change."""
+        self.evaluation_due = self.learner_version
+
+    def finish_evaluation(self) -> Evaluation:
+        """Returns the evaluation started beside the last step's training."""
+        if self.pending_evaluation is None:
+            raise RuntimeError("finish_evaluation without an evaluation beside training")
+        pending, self.pending_evaluation = self.pending_evaluation, None
+        return self.evaluator.finish(pending)
+
+    def save_checkpoint(self, publish: bool = True) -> Path:
         """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,
-        so a resumed run regenerates whatever was buffered or in flight."""
+        so a resumed run regenerates whatever was buffered or in flight. Without
+        `publish` it stays staged (its staging directory is returned) until
+        `publish_staged`."""
         with self.clock.phase("checkpoint"):
             pending = [item.first_prompt_index for item in self.rollouts.in_flight]
             pending += [b.first_prompt_index for b in self.buffered.values() if not b.external]
             pending += self.rollouts.carried.values()  # partial rollouts' running groups
             cursor = min(pending, default=self.prompt_cursor)
-            ref = self.actors.learner.save_checkpoint.remote(str(self.plan.run_dir), cursor)
+            run_dir = str(self.plan.run_dir)
+            ref = self.actors.learner.save_checkpoint.remote(run_dir, cursor, publish)
             return self.recovery.call("learner", ref, "save checkpoint")
+
+    def publish_staged(self, version: int, keep: bool) -> Path | None:
+        """Publishes the checkpoint of `version` left staged (returns its path) or
+        discards it (None)."""
+        with self.clock.phase("checkpoint"):
+            run_dir = str(self.plan.run_dir)
+            ref = self.actors.learner.publish_staged.remote(run_dir, version, keep)
+            return self.recovery.call("learner", ref, "publish checkpoint")
 
     # ------------------------------------------------------------------ the end
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer
 from rlray.algorithms import rl_math as rm
 from rlray.algorithms.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
-from rlray.core.checkpoints import publish_checkpoint, staging_directory
+from rlray.core.checkpoints import publish_sealed, seal_checkpoint, staging_directory
 from rlray.core.episode import Episode, ModelLimits, validate_episodes
 from rlray.core.files import writing
 from rlray.core.groups import check_whole_groups, group_indexes
@@ -464,11 +465,17 @@ class Learner:
         """The output embedding's weight name if it is the input embedding (else None)."""
         return tied_output_name(self.engine.policy)
 
-    def save_checkpoint(self, run_dir: str | Path, prompt_cursor: int) -> Path:
+    def save_checkpoint(
+        self, run_dir: str | Path, prompt_cursor: int, publish: bool = True
+    ) -> Path:
         """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
         cursor) atomically and points checkpoints/latest at it; returns its path. In a
         learner group every learner calls it and writes its shard of the optimizer state
-        (the run directory must be one that every learner sees); rank 0 the rest."""
+        (the run directory must be one that every learner sees); rank 0 the rest.
+
+        Without `publish` the checkpoint stays whole in its staging directory, which it
+        returns, until `publish_staged` keeps or discards it: a checkpoint taken before
+        the evaluation that decides whether it is the best."""
         self.prompt_cursor = prompt_cursor
         writer = self.engine.rank == 0
         staging = staging_directory(run_dir, self.version, create=writer)
@@ -482,11 +489,22 @@ class Learner:
             "prompt_cursor": prompt_cursor,
             "reference_model": self.model_path,
         }
-        final = staging.parent / f"step-{self.version:06d}"
         if not writer:
-            return final
+            return staging.parent / f"step-{self.version:06d}"
         with writing(staging / "state.json"):
-            return publish_checkpoint(staging, state)
+            seal_checkpoint(staging, state)
+        return publish_sealed(staging) if publish else staging
+
+    def publish_staged(self, run_dir: str | Path, version: int, keep: bool) -> Path | None:
+        """Publishes the checkpoint of `version` that `save_checkpoint(publish=False)`
+        left staged (returns its path), or discards it (None). Rank 0's work alone."""
+        staging = staging_directory(run_dir, version, create=False)
+        if self.engine.rank != 0:
+            return None
+        if keep:
+            return publish_sealed(staging)
+        shutil.rmtree(staging, ignore_errors=True)
+        return None
 
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""
