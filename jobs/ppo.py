@@ -14,7 +14,6 @@ Reads top to bottom: main -> start (config, checks) -> run (actors) -> train (st
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from rlray.cluster.start import (
 from rlray.config import ConfigError, parse_command_line, validate
 from rlray.core.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
-from rlray.driver.run_log import RunLog, RunSummary
+from rlray.driver.run_log import HeldStep, RunLog, RunSummary
 from rlray.driver.training import TrainingDriver
 from rlray.observe.report import write_report
 from rlray.observe.timing import describe_totals
@@ -156,18 +155,6 @@ def train(plan: RunPlan, driver: TrainingDriver, log: RunLog) -> RunSummary:
         checkpoint = step % learner.checkpoint_every == 0 or last
         held = close_step(driver, log, step, record, evaluate, checkpoint, last)
     return log.summary()
-
-
-@dataclass
-class HeldStep:
-    """A step whose evaluation runs beside the next step's training: its record, timed,
-    is written once the evaluation is back."""
-
-    step: int
-    record: dict[str, Any]
-    version: int
-    staged: bool
-    """Its checkpoint is staged: kept if the evaluation is the best, else discarded."""
 
 
 def close_step(

@@ -65,6 +65,18 @@ class RunSummary:
         return json.dumps(asdict(self), indent=2)
 
 
+@dataclass
+class HeldStep:
+    """A step whose evaluation runs beside the next step's training: its record, timed,
+    is written once the evaluation is back."""
+
+    step: int
+    record: dict[str, Any]
+    version: int
+    staged: bool
+    """Its checkpoint is staged: kept if the evaluation is the best, else discarded."""
+
+
 class RunLog:
     """The records of one training run (or of its resumed part)."""
 
