@@ -26,7 +26,11 @@ from rlray.algorithms import rl_math as rm
 from rlray.learner.engine import Engine, TokenBatch, collate
 
 # name: (hidden, layers, heads, vocab, completion tokens)
-SIZES = {"tiny": (128, 2, 2, 20, 8), "100m": (768, 12, 12, 32000, 256)}
+SIZES = {
+    "tiny": (128, 2, 2, 20, 8),
+    "100m": (768, 12, 12, 32000, 256),
+    "1b": (2048, 16, 16, 32000, 256),  # benchmarks/colocated_turns.py's larger model
+}
 SEQUENCES, PROMPT = 64, 32
 
 
@@ -90,7 +94,7 @@ def synchronize(batch: TokenBatch) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=list(SIZES))
     args = parser.parse_args()
     for name in args.sizes:
         out = tempfile.mkdtemp()

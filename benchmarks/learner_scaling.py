@@ -67,7 +67,7 @@ def learner(rank: int, world_size: int, port: int, model: str, args, out: str) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=list(SIZES))
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--completion", type=int, default=64, help="tokens per completion")

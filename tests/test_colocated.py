@@ -49,6 +49,26 @@ def test_an_engine_that_cannot_sleep_keeps_the_turns_only():
     assert turns.engine_awake
 
 
+def test_the_learner_gives_memory_up_before_the_engine_wakes_and_takes_it_after_it_sleeps():
+    engine = Engine()
+    turns = EngineTurns(
+        engine.sleep,
+        engine.wake_up,
+        lambda: engine.calls.append("learner releases"),
+        lambda: engine.calls.append("learner reclaims"),
+    )
+    turns.engine()  # awake from the start: the actor's setup released the learner's memory
+    turns.learner()
+    turns.learner()
+    turns.engine()
+    assert engine.calls == ["sleep", "learner reclaims", "learner releases", "wake_up"]
+    release, reclaim = (lambda: engine.calls.append("r")), (lambda: engine.calls.append("c"))
+    cpu = EngineTurns(None, None, release, reclaim)
+    cpu.learner()
+    cpu.engine()
+    assert engine.calls[-2:] == ["c", "r"]  # no sleep mode: the learner's part still runs
+
+
 def colocated(**fields) -> Config:
     config = Config()
     config.ray.placement = "colocated"
@@ -92,6 +112,18 @@ def test_a_colocated_engine_takes_its_weights_in_memory():
             },
             r"^rollout.in_flight_kv_cache keep with ray.placement colocated on GPUs: the "
             "engine's sleep frees the KV cache",
+        ),
+        (
+            {"ray__placement": "disaggregated", "learner__offload_optimizer": True},
+            r"^learner.offload_optimizer needs ray.placement colocated",
+        ),
+        (
+            {
+                "learner__offload_optimizer": True,
+                "learner__num_workers": 2,
+                "rollout__num_workers": 2,
+            },
+            r"^learner.offload_optimizer with learner.num_workers 2: offloading a sharded",
         ),
     ],
 )

@@ -54,6 +54,8 @@ def five_step_runs(job_env, tmp_path_factory):
     # they change nothing (RolloutConfig.in_flight_updates).
     runs["colocated"] = ["--learner.steps", "5", "--ray.placement", "colocated"]
     runs["colocated"] += ["--rollout.in_flight_updates", "true"]
+    # Accepted and called at every turn; on CPU the state is in host memory already.
+    runs["colocated"] += ["--learner.offload_optimizer", "true"]
     # A colocated group: two learners, each in the process of its own engine; a CPU each;
     # two batches a step, one for each engine.
     runs["colocated-group"] = ["--learner.steps", "4", "--ray.placement", "colocated"]

@@ -217,9 +217,13 @@ def test_loss_mode_kl_pulls_the_policy_toward_the_reference(model_path, device):
         # gradient at far tokens, now clamped as verl's, pulled the policy back.
         learner__lr=1e-4,
     )
+    # Drawn on the host, so that every --device pushes the same way (CUDA's generator
+    # draws other numbers, and a push 16x farther in KL than the CPU's did not come back).
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in learner.engine.policy.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.02)
+            push = torch.randn(parameter.shape, generator=generator) * 0.02
+            parameter.add_(push.to(parameter.device))
     same = dict.fromkeys(REWARDS, 1.0)
     first = learner.train_step(episodes_for(learner, same))
     for _ in range(8):
@@ -282,6 +286,39 @@ def test_gradient_checkpointing_gives_the_same_update(model_path, device):
     plain.train_step(episodes_for(plain, REWARDS))
     recomputed.train_step(episodes_for(recomputed, REWARDS))
     assert_same_policy(plain, recomputed)
+
+
+def test_an_offloaded_optimizer_state_trains_as_if_it_had_stayed(model_path, device):
+    """The engine's turn in the colocated placement (learner.offload_optimizer): AdamW's
+    moments go to host memory, freeing their bytes on a GPU, and come back for the next
+    step, which is the step of a learner that kept them."""
+    kept = make_learner(model_path, device, algorithm__advantage="grpo")
+    moved = make_learner(
+        model_path, device, algorithm__advantage="grpo", learner__offload_optimizer=True
+    )
+    for step in range(3):
+        for learner in (kept, moved):
+            learner.train_step(episodes_for(learner, REWARDS))
+        moments = sum(  # their bytes (a list of them would keep them on the device)
+            t.numel() * t.element_size()
+            for s in moved.engine.optimizer.state.values()
+            for n, t in s.items()
+            if n != "step"
+        )
+        on_device = torch.cuda.memory_allocated() if device == "cuda" else 0
+        moved.release_device()
+        state = moved.engine.optimizer.state.values()
+        assert all(t.device.type == "cpu" for s in state for t in s.values())
+        if device == "cuda":
+            freed = on_device - torch.cuda.memory_allocated()
+            assert freed >= moments > 0
+            assert all(t.is_pinned() for s in state for n, t in s.items() if n != "step")
+        if step == 1:  # the learner's turn; otherwise the step brings them back itself
+            moved.reclaim_device()
+            assert all(t.device.type == device for s in state for n, t in s.items() if n != "step")
+    assert_same_policy(kept, moved)
+    for a, b in zip(kept.engine.optimizer.state.values(), state, strict=True):
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"].to(device))
 
 
 def test_a_micro_batch_computes_no_column_that_all_its_rows_pad():

@@ -8,7 +8,9 @@ time, so generation (the engine's turn) and a learner step (the learner's) never
 On CPU both use torch's one pool of intra-op threads, so each has every core of the
 actor (learner.cpus + rollout.cpus_per_worker) in its turn. On GPU the engine sleeps
 while the learner trains (vLLM's sleep mode: KV cache freed, weights offloaded to host
-memory) and wakes for generation; `EngineTurns` keeps that state.
+memory) and wakes for generation, and the learner gives its cached blocks back to the
+device before the engine wakes (with learner.offload_optimizer, its optimizer's state
+too, to host memory); `EngineTurns` keeps that state.
 
 The driver needs no other path: the one handle is both a run's `rollout-<i>` and its
 `learner`, and its calls queue in the order the driver makes them. With in-flight updates
@@ -28,6 +30,7 @@ after (`setup`); every rank gathers the whole weights for its own engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rlray.cluster.learners import LearnerActor
@@ -41,10 +44,19 @@ from rlray.core.stats import EvalResult, StepMetrics
 class EngineTurns:
     """Whose turn the devices are: the engine's (awake: weights and KV cache on the
     device) or the learner's (engine asleep). `sleep` and `wake` are the engine's, or
-    None where it cannot sleep (vLLM's CPU backend): then only the turn is kept."""
+    None where it cannot sleep (vLLM's CPU backend): then only the turn is kept.
+    `release` and `reclaim` are the learner's (Learner.release_device): it gives up
+    memory before the engine wakes, and takes it back once the engine sleeps."""
 
-    def __init__(self, sleep: Any = None, wake: Any = None):
+    def __init__(
+        self,
+        sleep: Callable[[], None] | None = None,
+        wake: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+        reclaim: Callable[[], None] | None = None,
+    ):
         self.sleep, self.wake = sleep, wake
+        self.release, self.reclaim = release, reclaim
         self.engine_awake = True
         self.turns: list[str] = []
         """Every change of turn, in order ("engine" or "learner"): what tests read."""
@@ -52,18 +64,23 @@ class EngineTurns:
     def engine(self) -> None:
         """Gives the devices to the engine (before it generates or loads weights)."""
         if not self.engine_awake:
-            if self.wake is not None:
-                self.wake()
+            _call(self.release)
+            _call(self.wake)
             self.engine_awake = True
             self.turns.append("engine")
 
     def learner(self) -> None:
-        """Gives the devices to the learner (before a step, a checkpoint or a publish)."""
+        """Gives the devices to the learner (before a step or a parity sample)."""
         if self.engine_awake:
-            if self.sleep is not None:
-                self.sleep()
+            _call(self.sleep)
+            _call(self.reclaim)
             self.engine_awake = False
             self.turns.append("learner")
+
+
+def _call(function: Callable[[], None] | None) -> None:
+    if function is not None:
+        function()
 
 
 class ColocatedActor(RolloutActor, LearnerActor):
@@ -96,6 +113,9 @@ class ColocatedActor(RolloutActor, LearnerActor):
         self.turns = EngineTurns(
             (lambda: self.llm.sleep(level=1, mode="keep")) if on_gpu else None,
             self.llm.wake_up if on_gpu else None,
+            # the learner is built after the engine (setup)
+            lambda: self.learner.release_device(),
+            lambda: self.learner.reclaim_device(),
         )
 
     def setup(self, address: str, port: int, timeout_s: float) -> None:
@@ -108,6 +128,7 @@ class ColocatedActor(RolloutActor, LearnerActor):
         if not hasattr(self, "llm"):
             self._start_engine()
         self.learner = Learner(*self.learner_args, **self.learner_kwargs)
+        self.learner.release_device()  # the engine's turn first (a resumed optimizer's state)
 
     # The engine's turn.
 

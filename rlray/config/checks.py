@@ -116,6 +116,16 @@ def _devices(config: Config) -> None:
 
 def _colocation(config: Config) -> None:
     r, learner = config.rollout, config.learner
+    if learner.offload_optimizer and config.ray.placement != "colocated":
+        raise ConfigError(
+            "learner.offload_optimizer needs ray.placement colocated: a disaggregated "
+            "learner has its devices to itself"
+        )
+    if learner.offload_optimizer and learner.num_workers > 1:
+        raise ConfigError(
+            f"learner.offload_optimizer with learner.num_workers {learner.num_workers}: "
+            "offloading a sharded optimizer's state is not built (one learner only)"
+        )
     if config.ray.placement != "colocated":
         return
     if r.num_workers != learner.num_workers:

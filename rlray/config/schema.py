@@ -436,6 +436,11 @@ class LearnerConfig:
     """CPUs reserved for each learner actor."""
     gpus: float = non_negative(0.0)
     """GPUs reserved for each learner actor (0 = train on CPU)."""
+    offload_optimizer: bool = False
+    """With ray.placement colocated on GPUs: the optimizer's state (AdamW's moments,
+    twice the trained weights' bytes) goes to host memory during each of the engine's
+    turns and comes back for the learner's, leaving that memory to the engine's KV
+    cache; it costs a copy each way per step. One learner only (learner.num_workers 1)."""
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
     its own."""

@@ -292,6 +292,9 @@ class Engine:
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": critic_lr})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+        self._host_buffers: dict[tuple[int, str], torch.Tensor] = {}
+        self._offloaded: set[tuple[int, str]] = set()
+        """The optimizer's state tensors now in host memory (release_device)."""
         self.shuffle = torch.Generator().manual_seed(seed)
         if checkpoint:
             self._load_state(Path(checkpoint))
@@ -487,6 +490,7 @@ class Engine:
         micro-batches. `loss_fn(outputs, rows, totals)` returns a micro-batch's share of
         its mini-batch's loss and metrics that add up over micro-batches. Returns each
         update's summed metrics, with its gradient norm."""
+        self.reclaim_device()  # a no-op unless a turn's release_device left state behind
         updates = []
         parts = max(1, round(batch.size / minibatch_size))
         for _ in range(epochs):
@@ -529,6 +533,46 @@ class Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    # ------------------------------------------------------------------ turns on a shared device
+
+    def release_device(self, offload_optimizer: bool) -> None:
+        """The engine's turn on this learner's devices (the colocated placement): the
+        allocator's cached blocks go back to the device, so that a waking rollout engine
+        can map them, and with `offload_optimizer` the optimizer's state goes to host
+        memory (AdamW's two moments: twice the trained weights' bytes)."""
+        if offload_optimizer and self.device.type != "cpu":
+            self._move_optimizer_state(to_host=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reclaim_device(self) -> None:
+        """The learner's turn: brings back whatever release_device offloaded."""
+        if self._offloaded:
+            self._move_optimizer_state(to_host=False)
+
+    def _move_optimizer_state(self, to_host: bool) -> None:
+        """Copies the state tensors that live on the device into pinned host buffers,
+        kept for the next turn (pinning costs more than the copy), or back. AdamW's
+        `step` counters stay where the optimizer keeps them (on the host)."""
+        if self.world_size > 1:  # config checks refuse it: a DTensor's shard is not moved
+            raise ValueError("offloading a sharded optimizer's state is not built")
+        for index, state in enumerate(self.optimizer.state.values()):
+            for name, value in state.items():
+                slot = (index, name)
+                if to_host and value.device.type == self.device.type:
+                    host = self._host_buffers.get(slot)
+                    if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                        host = torch.empty_like(value, device="cpu", pin_memory=True)
+                        self._host_buffers[slot] = host
+                    state[name] = host.copy_(value, non_blocking=True)
+                    self._offloaded.add(slot)
+                elif not to_host and slot in self._offloaded:
+                    state[name] = value.to(self.device, non_blocking=True)
+        if not to_host:
+            self._offloaded.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the host copies are whole before the engine runs
 
     # ------------------------------------------------------------------ weights and checkpoints
 

@@ -415,6 +415,18 @@ class Learner:
         gap = (logp - rollout_logp).abs() * mask
         return float(gap[fresh].max())
 
+    # ------------------------------------------------------------------ turns (colocated)
+
+    def release_device(self) -> None:
+        """Gives this learner's devices to a colocated engine (Engine.release_device):
+        cached blocks back, and the optimizer's state to host memory where
+        learner.offload_optimizer says so."""
+        self.engine.release_device(self.learner.offload_optimizer)
+
+    def reclaim_device(self) -> None:
+        """Takes the devices back for a step: what release_device offloaded returns."""
+        self.engine.reclaim_device()
+
     # ------------------------------------------------------------------ weights and checkpoints
 
     def published_weights(self, every_rank: bool = False) -> dict[str, torch.Tensor]:
