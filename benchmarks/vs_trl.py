@@ -206,7 +206,7 @@ def task_spec(config: Config, model_path: str, steps: int) -> dict:
         "steps": steps,
         "episodes_per_step": config.learner.episodes_per_step,
         "group_size": config.rollout.samples_per_prompt,
-        "minibatch_size": config.learner.minibatch_size,
+        "minibatch_size": config.learner.minibatch_episodes,
         "epochs": config.learner.epochs,
         "max_new_tokens": config.rollout.max_new_tokens,
         "min_new_tokens": config.rollout.min_new_tokens,
@@ -246,8 +246,9 @@ def learning(args: argparse.Namespace) -> None:
     print(tuning_table(f"TRL GRPOTrainer, seed {first}", trl_tuning, args.budget_s))
     print(tuning_table(f"rlray default job, seed {first}", our_tuning, args.budget_s))
     trl_lr, our_lr = best(trl_tuning, args.budget_s), best(our_tuning, args.budget_s)
-    trl_runs = [trl(trl_lr, seed) for seed in args.seeds]
-    our_runs = [ours(our_lr, seed) for seed in args.seeds]
+    # The tuning seed's run at the best rate is that seed's run: not made twice.
+    trl_runs = [trl_tuning[trl_lr] if s == first else trl(trl_lr, s) for s in args.seeds]
+    our_runs = [our_tuning[our_lr] if s == first else ours(our_lr, s) for s in args.seeds]
     seeds = " ".join(map(str, args.seeds))
     print(
         f"\nBest learning rates: rlray {our_lr:g}, TRL {trl_lr:g}; seeds {seeds}, mean (min-max):"

@@ -143,7 +143,8 @@ def train(plan: RunPlan, driver: TrainingDriver, log: RunLog) -> RunSummary:
     held = None  # a step whose evaluation runs beside the next step's training
     if driver.learner_version == 0:
         first = {"step": 0, "policy_version": 0}
-        held = close_step(driver, log, 0, first, True, False, last=log.first_step > learner.steps)
+        last = log.first_step > learner.steps
+        held = close_step(driver, log, 0, first, evaluate=True, checkpoint=False, last=last)
     for step in range(log.first_step, learner.steps + 1):
         record = driver.train_step()
         if held is not None:

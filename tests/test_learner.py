@@ -41,6 +41,7 @@ def make_learner(
     config.learner.lr = 1e-5
     config.learner.episodes_per_step = 4
     config.learner.minibatch_size = config.learner.micro_batch_size = 4
+    config.learner.epochs = 2  # two updates a step (the default makes one)
     config.algorithm.kl_coef = 0.0  # no reference unless a test asks for one
     for dotted, value in changes.items():
         section, name = dotted.split("__")

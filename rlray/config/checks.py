@@ -226,15 +226,16 @@ def _batch_sizes(config: Config) -> None:
             f"rollout batch (rollout.prompts_per_batch x rollout.samples_per_prompt = "
             f"{config.rollout_batch_episodes})"
         )
-    if learner.episodes_per_step % learner.minibatch_size:
+    if learner.episodes_per_step % learner.minibatch_episodes:
         raise ConfigError(
             f"learner.minibatch_size ({learner.minibatch_size}) must divide "
             f"learner.episodes_per_step ({learner.episodes_per_step})"
         )
-    if learner.minibatch_size % learner.micro_batch_size:
+    if learner.minibatch_episodes % learner.micro_batch_size:
+        whole = " (0: the step's episodes)" if learner.minibatch_size == 0 else ""
         raise ConfigError(
             f"learner.micro_batch_size ({learner.micro_batch_size}) must divide "
-            f"learner.minibatch_size ({learner.minibatch_size})"
+            f"learner.minibatch_size ({learner.minibatch_episodes}{whole})"
         )
     if config.buffer.capacity_episodes < learner.episodes_per_step:
         raise ConfigError(

@@ -401,10 +401,13 @@ class LearnerConfig:
     """Learner steps (policy updates of one batch of episodes) in the run."""
     episodes_per_step: int = positive(256)
     """Episodes in one learner step (a multiple of the rollout batch)."""
-    epochs: int = positive(2)
-    """Passes over each step's episodes."""
-    minibatch_size: int = positive(128)
-    """Episodes per optimizer update."""
+    epochs: int = positive(1)
+    """Passes over each step's episodes. The default, one pass of one mini-batch (one
+    update per step), takes the logprobs before the update from its own forward pass
+    (no pass of their own); chosen by measurement, BENCHMARKS.md "Default job"."""
+    minibatch_size: int = non_negative(0)
+    """Episodes per optimizer update; 0: all of a step's episodes (one update per
+    epoch)."""
     micro_batch_size: int = positive(64)
     """Episodes per forward/backward; gradients accumulate over a mini-batch."""
     micro_batch_tokens: int = non_negative(0)
@@ -444,6 +447,11 @@ class LearnerConfig:
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
     its own."""
+
+    @property
+    def minibatch_episodes(self) -> int:
+        """Episodes per optimizer update: minibatch_size, or 0's whole step."""
+        return self.minibatch_size or self.episodes_per_step
 
 
 @dataclass

@@ -190,7 +190,7 @@ class Learner:
                 step.loss_mask,
                 self._loss_fn(step, fused),
                 self.learner.epochs,
-                self.learner.minibatch_size,
+                self.learner.minibatch_episodes,
                 entropy_grad=self.algorithm.needs_entropy_gradient,
             )
         except rm.NonFiniteError as err:  # the engine's gradient check: name the step too
@@ -214,7 +214,7 @@ class Learner:
         over the batch saved: a quarter of the step's compute (forward, backward,
         forward). The gradient is the same: the ratio is exactly 1, as it is to float
         precision with a pass of its own."""
-        one_update = self.learner.epochs == 1 and self.learner.minibatch_size >= episodes
+        one_update = self.learner.epochs == 1 and self.learner.minibatch_episodes >= episodes
         algorithm = self.algorithm
         alone = not (algorithm.needs_critic or algorithm.needs_reference)
         return self.fuse_old_logprobs and one_update and alone and self.engine.world_size == 1
