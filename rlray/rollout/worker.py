@@ -79,6 +79,12 @@ def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
         # (a fresh machine) and 1.8 s warm, and 37 MiB of compiler in the process.
         # Eager, that first call takes 0.02 s.
         env["TORCH_COMPILE_DISABLE"] = "1"
+    if rollout.gpus_per_worker == 0:
+        # vLLM's CPU linear layers are oneDNN matmuls, and oneDNN keeps a compiled
+        # primitive for every batch size it has seen (up to 1024): decode steps of every
+        # size from 1 to a batch's. Over 100 default-job batches 16 kept take 120 MiB
+        # less, generating as fast (benchmarks/rollout_memory.py, BENCHMARKS.md).
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "16"
     return env
 
 
