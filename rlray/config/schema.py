@@ -450,7 +450,7 @@ class LearnerConfig:
 
     @property
     def minibatch_episodes(self) -> int:
-        """Episodes per optimizer update: minibatch_size, or 0's whole step."""
+        """Episodes per optimizer update: minibatch_size, or where it is 0 the step's."""
         return self.minibatch_size or self.episodes_per_step
 
 

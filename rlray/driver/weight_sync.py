@@ -176,19 +176,22 @@ class WeightSync:
         """Has rollout worker 0's engine score the learner's sample of the step's batch
         (a prefill), and the learner compare it with its own logprobs: the parity error
         its next step reports. A worker that died meanwhile is brought back (it loads
-        the weights), and this sync goes unchecked."""
-        name, worker = self.actors.rollout_names[0], self.actors.rollout[0]
-        scored = worker.token_logprobs.remote(sample)
-        try:
-            self.recovery.call(name, scored, "parity check")  # a few hundred floats
-        except ActorFailure as failure:
-            if not failure.died or failure.lost:
-                raise
-            self.recovery.recover(name, failure)  # raises if the learner died
-            logger.warning("%s; this sync's parity is not checked", failure)
+        the weights) and scores the sample then; only a second death in the one check
+        leaves the sync unchecked."""
+        name = self.actors.rollout_names[0]
+        for _ in range(2):
+            scored = self.actors.rollout[0].token_logprobs.remote(sample)
+            try:
+                self.recovery.call(name, scored, "parity check")  # a few hundred floats
+            except ActorFailure as failure:
+                if not failure.died or failure.lost:
+                    raise
+                self.recovery.recover(name, failure)  # raises if the learner died
+                continue
+            checked = self.actors.learner.check_parity.remote(scored)
+            self.recovery.call("learner", checked, "parity check")
             return
-        checked = self.actors.learner.check_parity.remote(scored)
-        self.recovery.call("learner", checked, "parity check")
+        logger.warning("%s died twice in one parity check; this sync's is not checked", name)
 
     def _reload(self, name: str) -> None:
         """Loads the current weights on a restarted rollout worker."""
