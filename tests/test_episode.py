@@ -115,6 +115,11 @@ def test_a_valid_episode_passes_the_schema_and_the_model():
         ),
         ({"rollout_logprobs": [-0.5, 1e39, 0.0]}, "rollout_logprobs[1]: 1e+39 is beyond float32"),
         ({"rollout_logprobs": [float("-inf")]}, "rollout_logprobs[0]: -inf is not finite"),
+        # Finite items whose sum overflows are checked one by one, and pass the range.
+        ({"rollout_logprobs": [-1e38, 1e39]}, "rollout_logprobs[1]: 1e+39 is beyond float32"),
+        ({"rollout_logprobs": [-(2**2000)]}, "rollout_logprobs[0]: an integer of 2001 bits"),
+        ({"reward": 2**1100}, "episodes[0].reward: an integer of 1101 bits is beyond every"),
+        ({"columns": {"answer": [1, {2}]}}, "episodes[0].columns: not JSON"),
         ({"run_id": ""}, "episodes[0].run_id: empty"),
         ({"episode_id": "  "}, "episodes[0].episode_id: empty"),
         ({"prompt": "\ud800"}, "episodes[0].prompt: not valid Unicode"),

@@ -72,6 +72,45 @@ def test_the_monitor_keeps_the_last_and_the_peak(forked_pair):
     assert monitor.peak_bytes < 64 * GIB
 
 
+# Grows by 128 MiB of touched pages at each line it reads.
+GROW_ON_EACH_LINE = """
+import sys
+blocks = []
+print("ready", flush=True)
+for line in sys.stdin:
+    blocks.append(b"x" * (128 << 20))
+    print("grown", flush=True)
+"""
+
+
+def test_the_monitor_measures_pss_again_when_resident_memory_grows():
+    process = subprocess.Popen(
+        [sys.executable, "-c", GROW_ON_EACH_LINE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        monitor = MemoryMonitor(lambda: [process.pid], refresh_s=3600)
+        monitor.look()  # the first look measures
+        monitor.look()  # nothing grew: no measurement
+        assert monitor.samples == 1
+        first_peak = monitor.peak_bytes
+        process.stdin.write("grow\n")
+        process.stdin.flush()
+        assert process.stdout.readline().strip() == "grown"
+        monitor.look()
+        assert monitor.samples == 2
+        assert monitor.peak_bytes >= first_peak + 100 * MIB
+        monitor.refresh_s = 0  # a measurement this old is refreshed though nothing grew
+        monitor.look()
+        assert monitor.samples == 3
+    finally:
+        process.stdin.close()
+        process.wait(timeout=30)
+
+
 def test_the_peak_is_split_by_process(forked_pair):
     names = {forked_pair.pid: "parent"}
     monitor = MemoryMonitor(lambda: [forked_pair.pid], names=lambda: names)

@@ -10,8 +10,10 @@ they are ingested, stored or trained on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -150,27 +152,26 @@ def _micros(seconds: float | None) -> int | None:
 
 def to_table(episodes: list[Episode]) -> pa.Table:
     """Returns the episodes as a pyarrow Table with EPISODE_SCHEMA."""
-    rows = []
-    for ep in episodes:
-        row = dataclasses.asdict(ep)
-        row["columns"] = json.dumps(ep.columns, sort_keys=True)
-        row["reward_components"] = list(ep.reward_components.items())
-        for name in ("generated_at", "scored_at", "trained_at"):
-            row[name] = _micros(row[name])
-        for span in row["spans"]:
-            span["started_at"], span["ended_at"] = (
-                _micros(span["started_at"]),
-                _micros(span["ended_at"]),
-            )
-        rows.append(row)
     arrays = []
     for f in EPISODE_SCHEMA:
-        values = [row[f.name] for row in rows]
+        values = [getattr(ep, f.name) for ep in episodes]
+        if f.name == "columns":
+            values = [json.dumps(columns, sort_keys=True) for columns in values]
+        elif f.name == "reward_components":
+            values = [list(components.items()) for components in values]
+        elif f.name == "spans":
+            values = [[_span_row(span) for span in spans] for spans in values]
         if pa.types.is_timestamp(f.type):
-            arrays.append(pa.array(values, type=pa.int64()).cast(f.type))
+            arrays.append(pa.array(list(map(_micros, values)), pa.int64()).cast(f.type))
         else:
             arrays.append(pa.array(values, type=f.type))
     return pa.Table.from_arrays(arrays, schema=EPISODE_SCHEMA)
+
+
+def _span_row(span: Span | dict[str, Any]) -> dict[str, Any]:
+    row = dataclasses.asdict(span) if isinstance(span, Span) else dict(span)
+    row["started_at"], row["ended_at"] = _micros(row["started_at"]), _micros(row.get("ended_at"))
+    return row
 
 
 def from_table(table: pa.Table) -> list[Episode]:
@@ -246,12 +247,8 @@ def validate_episode(
 ) -> None:
     """Returns None if the episode fits EPISODE_SCHEMA (and, given limits, the model);
     else raises EpisodeError naming the bad field."""
-    for f in EPISODE_SCHEMA:
-        value = getattr(episode, f.name)
-        if f.name == "columns":  # stored as JSON text
-            _check_columns(value, f"{where}.columns")
-        else:
-            _check(value, f.type, f.nullable, f"{where}.{f.name}")
+    for name, check in _field_checks():
+        check(getattr(episode, name), f"{where}.{name}")
     for name in ("run_id", "episode_id"):
         if not getattr(episode, name).strip():
             raise EpisodeError(f"{where}.{name}: empty")
@@ -318,53 +315,84 @@ def _check_completion_mask(episode: Episode, where: str) -> None:
         raise EpisodeError(f"{where}.completion_mask: entries must be 0 or 1")
 
 
-def _check(value: Any, dtype: pa.DataType, nullable: bool, where: str) -> None:
-    """Raises EpisodeError unless `value` (in its Episode form) can be written as dtype."""
-    if value is None:
-        if not nullable:
-            raise EpisodeError(f"{where}: missing")
-        return
+Check = Callable[[Any, str], None]
+"""Raises EpisodeError unless a value (in its Episode form) can be written as one arrow
+type; the second argument names the value in the message."""
+
+
+@functools.cache
+def _field_checks() -> list[tuple[str, Check]]:
+    """Returns each EPISODE_SCHEMA field's check, made once: the store, the learner and
+    ingestion check every field of every episode, so no type is looked at per value."""
+    return [
+        (f.name, _check_columns if f.name == "columns" else _checker(f.type, f.nullable))
+        for f in EPISODE_SCHEMA
+    ]
+
+
+@functools.cache
+def _checker(dtype: pa.DataType, nullable: bool) -> Check:
+    """Returns the check of a value of `dtype`, null allowed if `nullable`."""
+    check = _value_checker(dtype, nullable)
+
+    def check_value(value: Any, where: str) -> None:
+        if value is None:
+            if not nullable:
+                raise EpisodeError(f"{where}: missing")
+            return
+        check(value, where)
+
+    return check_value
+
+
+def _value_checker(dtype: pa.DataType, nullable: bool) -> Check:
+    """Returns the check of a value of `dtype` that is not None."""
     if pa.types.is_string(dtype):
-        _check_string(value, where, nullable)
-    elif pa.types.is_integer(dtype):
-        _check_int(value, dtype, where, nullable)
-    elif pa.types.is_floating(dtype):
-        _check_float(value, dtype, where, nullable)
-    elif pa.types.is_timestamp(dtype):  # Unix seconds in an Episode
-        _check_float(value, pa.float64(), where, nullable)
-        if not _SECONDS_RANGE[0] <= value <= _SECONDS_RANGE[1]:
-            raise EpisodeError(f"{where}: {value:g} is not a time (Unix seconds, years 1 to 9999)")
-    elif pa.types.is_list(dtype):
-        _check_list(value, dtype.value_type, where)
-    elif pa.types.is_map(dtype):
-        if not isinstance(value, dict):
-            raise EpisodeError(_wrong(where, "an object", value, nullable))
-        for key, item in value.items():
-            _check(key, dtype.key_type, False, f"{where} key {key!r}")
-            _check(item, dtype.item_type, dtype.item_field.nullable, f"{where}.{key}")
-    elif pa.types.is_struct(dtype):
-        if not isinstance(value, (dict, Span)):
-            raise EpisodeError(_wrong(where, "an object", value, nullable))
-        for f in dtype:
-            item = value.get(f.name) if isinstance(value, dict) else getattr(value, f.name)
-            _check(item, f.type, f.nullable, f"{where}.{f.name}")
-    else:  # a new column type needs its own check here
-        raise TypeError(f"{where}: no check for arrow type {dtype}")
+        return functools.partial(_check_string, nullable=nullable)
+    if pa.types.is_integer(dtype):
+        return functools.partial(
+            _check_int, dtype=dtype, bounds=_int_range(dtype), nullable=nullable
+        )
+    if pa.types.is_floating(dtype):
+        return functools.partial(_check_float, dtype=dtype, nullable=nullable)
+    if pa.types.is_timestamp(dtype):  # Unix seconds in an Episode
+        return functools.partial(_check_seconds, nullable=nullable)
+    if pa.types.is_list(dtype):
+        return functools.partial(
+            _check_list,
+            plainly_fits=_plain_list_check(dtype.value_type),
+            check_item=_checker(dtype.value_type, False),
+        )
+    if pa.types.is_map(dtype):
+        return functools.partial(
+            _check_map,
+            check_key=_checker(dtype.key_type, False),
+            check_item=_checker(dtype.item_type, dtype.item_field.nullable),
+            nullable=nullable,
+        )
+    if pa.types.is_struct(dtype):
+        fields = [(f.name, _checker(f.type, f.nullable)) for f in dtype]
+        return functools.partial(_check_struct, fields=fields, nullable=nullable)
+    raise TypeError(f"no check for arrow type {dtype}")  # a new column type needs its own
 
 
 def _check_string(value: Any, where: str, nullable: bool) -> None:
     if not isinstance(value, str):
         raise EpisodeError(_wrong(where, "a string", value, nullable))
+    if value.isascii():
+        return
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:  # a lone surrogate, e.g. JSON "\ud800"
         raise EpisodeError(f"{where}: not valid Unicode ({err.reason})") from None
 
 
-def _check_int(value: Any, dtype: pa.DataType, where: str, nullable: bool) -> None:
+def _check_int(
+    value: Any, where: str, dtype: pa.DataType, bounds: tuple[int, int], nullable: bool
+) -> None:
     if type(value) is not int:
         raise EpisodeError(_wrong(where, "an integer", value, nullable))
-    low, high = _int_range(dtype)
+    low, high = bounds
     if not low <= value <= high:
         raise EpisodeError(f"{where}: {value} is outside {dtype} ({low} to {high})")
 
@@ -375,40 +403,92 @@ def _int_range(dtype: pa.DataType) -> tuple[int, int]:
     return 0, (1 << dtype.bit_width) - 1
 
 
-def _check_float(value: Any, dtype: pa.DataType, where: str, nullable: bool) -> None:
+def _check_float(value: Any, where: str, dtype: pa.DataType, nullable: bool) -> None:
     if type(value) not in (int, float):
         raise EpisodeError(_wrong(where, "a number", value, nullable))
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an integer past any float
+        bits = value.bit_length()
+        raise EpisodeError(f"{where}: an integer of {bits} bits is beyond every float") from None
+    if not finite:
         raise EpisodeError(f"{where}: {value} is not finite")
     if pa.types.is_float32(dtype) and abs(value) > _FLOAT32_MAX:
         raise EpisodeError(f"{where}: {value:g} is beyond float32's range")
 
 
-def _check_list(values: Any, item_type: pa.DataType, where: str) -> None:
+def _check_seconds(value: Any, where: str, nullable: bool) -> None:
+    _check_float(value, where, pa.float64(), nullable)
+    if not _SECONDS_RANGE[0] <= value <= _SECONDS_RANGE[1]:
+        raise EpisodeError(f"{where}: {value:g} is not a time (Unix seconds, years 1 to 9999)")
+
+
+def _check_list(
+    values: Any,
+    where: str,
+    plainly_fits: Callable[[list[Any]], bool],
+    check_item: Check,
+) -> None:
     if not isinstance(values, list):
         raise EpisodeError(_wrong(where, "a list", values, False))
-    if _plainly_fits(values, item_type):  # token ids and logprobs: one pass in C
+    if not values or plainly_fits(values):  # token ids and logprobs: passes in C
         return
-    for i, value in enumerate(values):
-        _check(value, item_type, False, f"{where}[{i}]")
+    for i, value in enumerate(values):  # find and name the bad item
+        check_item(value, f"{where}[{i}]")
 
 
-def _plainly_fits(values: list[Any], item_type: pa.DataType) -> bool:
-    if not values:
-        return True
+def _plain_list_check(item_type: pa.DataType) -> Callable[[list[Any]], bool]:
+    """Returns a whole-list test that is true only if every item fits `item_type` (false
+    may still fit: the items are then checked one by one)."""
     if pa.types.is_integer(item_type):
         low, high = _int_range(item_type)
-        return all(type(v) is int for v in values) and low <= min(values) and max(values) <= high
+
+        def plain_ints(values: list[Any]) -> bool:
+            return set(map(type, values)) == {int} and low <= min(values) and max(values) <= high
+
+        return plain_ints
     if pa.types.is_floating(item_type):
         limit = _FLOAT32_MAX if pa.types.is_float32(item_type) else math.inf
-        numbers = all(type(v) in (int, float) for v in values)
-        return numbers and all(map(math.isfinite, values)) and max(map(abs, values)) <= limit
-    return False
+
+        def plain_floats(values: list[Any]) -> bool:
+            # A finite sum means no item is infinite or NaN (an overflowing sum of finite
+            # items only sends the list to the item-by-item check).
+            if not set(map(type, values)) <= {int, float}:
+                return False
+            try:
+                return math.isfinite(sum(values)) and max(map(abs, values)) <= limit
+            except OverflowError:  # an integer past any float
+                return False
+
+        return plain_floats
+    return lambda values: False
+
+
+def _check_map(value: Any, where: str, check_key: Check, check_item: Check, nullable: bool) -> None:
+    if not isinstance(value, dict):
+        raise EpisodeError(_wrong(where, "an object", value, nullable))
+    for key, item in value.items():
+        check_key(key, f"{where} key {key!r}")
+        check_item(item, f"{where}.{key}")
+
+
+def _check_struct(value: Any, where: str, fields: list[tuple[str, Check]], nullable: bool) -> None:
+    if not isinstance(value, (dict, Span)):
+        raise EpisodeError(_wrong(where, "an object", value, nullable))
+    for name, check in fields:
+        item = value.get(name) if isinstance(value, dict) else getattr(value, name)
+        check(item, f"{where}.{name}")
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
 
 
 def _check_columns(value: Any, where: str) -> None:
     if not isinstance(value, dict):
         raise EpisodeError(_wrong(where, "an object", value, False))
+    flat = all(type(k) is str and isinstance(v, _JSON_SCALARS) for k, v in value.items())
+    if flat:  # a dataset row's plain columns: JSON as they are
+        return
     try:
         json.dumps(value, sort_keys=True)
     except (TypeError, ValueError) as err:
