@@ -150,10 +150,12 @@ def train(plan: RunPlan, driver: TrainingDriver, log: RunLog) -> RunSummary:
         if held is not None:
             release(driver, log, held)
         last = step == learner.steps
-        if step % learner.sync_every == 0 or last:
-            record.update(driver.sync_weights())
         evaluate = step % learner.eval_every == 0 or last
         checkpoint = step % learner.checkpoint_every == 0 or last
+        if step % learner.sync_every == 0 or last:
+            # A step that closes without asking the learner for a checkpoint may let the
+            # next one start training while the workers load its weights.
+            record.update(driver.sync_weights(start_next=not (evaluate or checkpoint)))
         held = close_step(driver, log, step, record, evaluate, checkpoint, last)
     return log.summary()
 

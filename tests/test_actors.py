@@ -93,12 +93,12 @@ def test_a_sync_is_checked_on_its_steps_own_tokens_and_an_engine_left_behind_sho
     driver = TrainingDriver(plan, actors, version=version, prompt_cursor=7000)
 
     def parity_now() -> float:
-        scored = worker.token_logprobs.remote(learner.parity_sample.remote())
-        return ray.get(learner.check_parity.remote(scored))
+        return ray.get(worker.parity_gap.remote(learner.parity_sample.remote()))
 
     driver.train_step()
     driver.sync_weights()
     assert driver.clock.lap()["parity_check"] > 0  # the driver checked this sync
+    assert driver.weights.last_gap <= 1e-4  # what the next step reports
     assert parity_now() <= 1e-4  # and so does this test: the same episodes, both sides
     for _ in range(2):
         driver.train_step()  # the learner moves on; the engines keep the synced weights

@@ -15,6 +15,7 @@ from rlray.config import Config
 from rlray.config.schema import Advantage, LossAggregation, PolicyLoss
 from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.episode import Episode, EpisodeError
+from rlray.core.parity import parity_gap
 from rlray.data.models import resolve_model_path
 from rlray.learner.engine import Outputs, collate
 from rlray.learner.rl import Learner
@@ -517,25 +518,27 @@ def test_observation_tokens_are_context_but_never_trained_or_parity_checked(mode
 
 
 def test_a_sync_is_checked_on_the_steps_own_episodes_at_temperature_one(model_path, device):
-    # Sampling at 0.7, the learner still keeps temperature-1 logprobs for the check:
-    # what vLLM gives tokens fed to it as a prompt (RolloutWorker.token_logprobs).
+    # Sampling at 0.7, the learner still gives temperature-1 logprobs for the check:
+    # what vLLM gives tokens fed to it as a prompt (RolloutWorker.parity_gap).
     learner = make_learner(model_path, device, temperature=0.7)
     learner.train_step(two_turn_episodes(learner, "+1=", garbage=0.0))
     sample = learner.parity_sample()
-    assert [e.episode_id for e in sample] == ["t-0-0", "t-0-1"]  # the step's own episodes
-    engine = plain_logprobs(learner.engine.policy, sample)  # the weights after the step
+    assert [e.episode_id for e in sample.episodes] == ["t-0-0", "t-0-1"]  # the step's own
+    assert sample.version == learner.version
+    engine = plain_logprobs(learner.engine.policy, sample.episodes)  # the weights after
     # An engine off by 30 nats on an observation token, which the policy never sampled.
     engine[0][1] -= 30.0
-    assert sample[0].completion_mask[1] == 0
-    assert learner.check_parity(engine) < 1e-5
+    assert sample.episodes[0].completion_mask[1] == 0
+    assert parity_gap(sample, engine) < 1e-5
     # One policy token 0.25 off: what a weight sync that went wrong shows.
     engine[1][-1] += 0.25
-    assert learner.check_parity(engine) == pytest.approx(0.25, abs=1e-5)
-    # Reported by the next step, whose batch of an older version cannot show parity.
+    assert parity_gap(sample, engine) == pytest.approx(0.25, abs=1e-5)
+    # A next batch of an older version cannot show parity: the step reports none, and
+    # the driver reports the sync's check in its place.
     stale = two_turn_episodes(learner, "+1=", garbage=0.0)
     for e in stale:
         e.policy_version = learner.version - 1
-    assert learner.train_step(stale).logprob_parity_error == pytest.approx(0.25, abs=1e-5)
+    assert learner.train_step(stale).logprob_parity_error is None
 
 
 def test_checkpoint_restores_weights_optimizer_version_and_cursor(model_path, device, tmp_path):

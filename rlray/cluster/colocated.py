@@ -37,6 +37,7 @@ from rlray.cluster.learners import LearnerActor
 from rlray.cluster.roles import RolloutActor
 from rlray.core.episode import Episode
 from rlray.core.evaluation import EvalEpisodes
+from rlray.core.parity import ParitySample
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult, StepMetrics
 
@@ -160,6 +161,10 @@ class ColocatedActor(RolloutActor, LearnerActor):
         self.turns.engine()
         return RolloutActor.token_logprobs(self, episodes)
 
+    def parity_gap(self, sample: ParitySample) -> float | None:
+        self.turns.engine()
+        return RolloutActor.parity_gap(self, sample)
+
     def load_learner_weights(self) -> tuple[int, float]:
         """Loads this process's learner's weights into the engine, in memory; returns
         the version now held and the seconds it took."""
@@ -180,11 +185,9 @@ class ColocatedActor(RolloutActor, LearnerActor):
         self.turns.learner()
         return LearnerActor.train_on(self, batch_refs, timeout_s)
 
-    def parity_sample(self) -> list[Episode]:
+    def parity_sample(self) -> ParitySample:
         self.turns.learner()
         return LearnerActor.parity_sample(self)
-
-    # check_parity compares numbers on the host: anyone's turn.
 
     def open_weight_transfer(self, *args: Any, **kwargs: Any) -> None:
         # Both faces have one (a worker joins a transfer; a learner opens one): here

@@ -13,6 +13,7 @@ from rlray.cluster.calls import resolve_episodes, wait_for
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config
 from rlray.core.episode import Episode
+from rlray.core.parity import ParitySample
 from rlray.core.stats import StepMetrics
 from rlray.observe.console import send_engine_output_to
 
@@ -127,11 +128,8 @@ class LearnerActor(_GroupMember):
     def close_weight_transfer(self) -> None:
         self.learner.close_weight_transfer()
 
-    def parity_sample(self) -> list[Episode]:
+    def parity_sample(self) -> ParitySample:
         return self.learner.parity_sample()
-
-    def check_parity(self, engine_logprobs: list[list[float]]) -> float | None:
-        return self.learner.check_parity(engine_logprobs)
 
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         return self.learner.logprobs(episodes)

@@ -444,6 +444,12 @@ class LearnerConfig:
     twice the trained weights' bytes) goes to host memory during each of the engine's
     turns and comes back for the learner's, leaving that memory to the engine's KV
     cache; it costs a copy each way per step. One learner only (learner.num_workers 1)."""
+    overlap_sync: bool = True
+    """With buffer.max_staleness >= 1 and the object-store weight sync: a step that is
+    neither evaluated nor checkpointed lets the next step's training start once its
+    weights are published, while the rollout workers load them and the parity check
+    runs (the next step's batch was made by the weights before, as it would be anyway).
+    false: the next step starts after the sync."""
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
     its own."""

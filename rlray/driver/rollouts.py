@@ -236,7 +236,7 @@ class Rollouts:
             raise RuntimeError("nothing in flight to wait for")
         timeout = self.recovery.timeout_s
         generating = [item.generate_stats for item in self.in_flight if item.generated is None]
-        pending = generating + [i.score_stats for i in self.in_flight if i.scored is None]
+        pending = self._pending()
         started = time.perf_counter()
         ready = self._wait_for_one(pending, timeout)
         waited = time.perf_counter() - started
@@ -248,13 +248,31 @@ class Rollouts:
                 {f"{self.rollout_name(i)}/{self.reward_name(i)}" for i in self.in_flight}
             )
             raise ActorFailure(f"{', '.join(names)}: no batch progressed within {timeout:.0f} s")
+        self._handle(ready + self._ready_now(pending))
+
+    def poll(self) -> None:
+        """Handles whatever in-flight batch has finished generating or scoring by now,
+        without waiting, and delivers, in order, what is scored."""
+        if self.in_flight:
+            self._handle(self._ready_now(self._pending()))
+
+    def _pending(self) -> list[Any]:
+        generating = [item.generate_stats for item in self.in_flight if item.generated is None]
+        return generating + [i.score_stats for i in self.in_flight if i.scored is None]
+
+    @staticmethod
+    def _ready_now(pending: list[Any]) -> list[Any]:
+        return ray.wait(pending, num_returns=len(pending), timeout=0)[0] if pending else []
+
+    def _handle(self, ready: list[Any]) -> None:
         ready_refs = set(ready)
         with interrupts_held():
             for item in list(self.in_flight):
-                if item.generated is None and item.generate_stats in ready_refs:
-                    self._generated(item)
-                elif item.scored is None and item.score_stats in ready_refs:
+                # Scored takes its generation's stats too.
+                if item.scored is None and item.score_stats in ready_refs:
                     self._scored(item)
+                elif item.generated is None and item.generate_stats in ready_refs:
+                    self._generated(item)
             while self.in_flight and self.in_flight[0].scored is not None:
                 self.deliver(self.in_flight.pop(0))
 

@@ -100,6 +100,8 @@ class TrainingDriver:
         self.evaluation_due: int | None = None
         """The version whose evaluation the next step starts beside its training."""
         self.pending_evaluation: PendingEvaluation | None = None
+        self.next_step: tuple[Any, TakenBatches] | None = None
+        """The learner step a sync started (its ObjectRef and batches), not yet waited for."""
         self.recovery.restorers["buffer"] = self._restore_buffer
 
     # ------------------------------------------------------------------ generation
@@ -178,21 +180,11 @@ class TrainingDriver:
     # ------------------------------------------------------------------ learning
 
     def train_step(self) -> dict[str, Any]:
-        """Fills the buffer to one learner step, trains on it, and returns the step's
-        metrics (learner, buffer and rollout figures together)."""
-        per_step = self.config.learner.episodes_per_step
-        while True:
-            self.fill()
-            with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
-                taken = self.buffer_call(
-                    lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
-                )
-                if taken is not None:
-                    train = self._start_training(taken)
-                    break
-            if not self.rollouts.in_flight:
-                raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
-            self.rollouts.wait()
+        """Fills the buffer to one learner step, trains on it (or on the step the last
+        sync started), and returns the step's metrics (learner, buffer and rollout
+        figures together)."""
+        started, self.next_step = self.next_step, None
+        train, taken = started or self._take_and_start()
         if self.actors.ingest is not None:
             self.actors.ingest.set_step.remote(self.learner_version)
         if self.evaluation_due is not None:  # rollout-0 evaluates while the learner trains
@@ -200,7 +192,10 @@ class TrainingDriver:
             self.evaluation_due = None
         self.fill()  # with max_staleness >= 1 generation overlaps training
         with self.clock.phase("training"):
-            metrics = self.recovery.call("learner", train, "train step")
+            metrics = metrics_dict(self.recovery.call("learner", train, "train step"))
+        gap = self.weights.take_gap()
+        if metrics["logprob_parity_error"] is None:  # nothing fresh: the last sync's check
+            metrics["logprob_parity_error"] = gap
         # Asked before the store's write, which the buffer's process then makes (its
         # episodes fetched and written) while the driver goes on.
         buffer_stats = self.buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
@@ -210,7 +205,7 @@ class TrainingDriver:
             self.training = []
         tally = self.rollouts.take_tally()
         return {
-            **metrics_dict(metrics),
+            **metrics,
             "buffer_depth": buffer_stats["buffer_depth"],
             "dropped_stale": buffer_stats["dropped_stale"],
             "dropped_stale_this_step": sum(b.num_episodes for b in taken.dropped),
@@ -230,6 +225,23 @@ class TrainingDriver:
             "actor_restarts": self.recovery.count_restarts(),
         }
 
+    def _take_and_start(self) -> tuple[Any, TakenBatches]:
+        """Takes one learner step's batches from the buffer, waiting for generation as
+        needed, and starts the step; returns its ObjectRef and what was taken."""
+        per_step = self.config.learner.episodes_per_step
+        while True:
+            self.rollouts.poll()  # batches scored while the driver was busy go in first
+            self.fill()
+            with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
+                taken = self.buffer_call(
+                    lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
+                )
+                if taken is not None:
+                    return self._start_training(taken), taken
+            if not self.rollouts.in_flight:
+                raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
+            self.rollouts.wait()
+
     def _start_training(self, taken: TakenBatches) -> Any:
         """Moves the batches taken from the buffer to `training`, stores the stale ones
         and starts the learner step; returns the step's ObjectRef."""
@@ -246,9 +258,31 @@ class TrainingDriver:
         self.rollouts.step_version = self.learner_version
         return train
 
-    def sync_weights(self) -> dict[str, Any]:
-        """Loads the learner's weights on every rollout worker; returns the sync's record."""
+    def sync_weights(self, start_next: bool = False) -> dict[str, Any]:
+        """Loads the learner's weights on every rollout worker; returns the sync's record.
+        With `start_next`, where the run allows it (`overlaps_sync`), the next learner
+        step starts once the weights are published and trains while the workers load
+        them: the caller must ask the learner for nothing else before that step."""
+        if start_next and self.overlaps_sync():
+            return self.weights.sync(start_next=self._start_next_step)
         return self.weights.sync()
+
+    def overlaps_sync(self) -> bool:
+        """Whether the next learner step may start during this sync: the object-store
+        path, generation allowed to run a version ahead, and a step's episodes already
+        buffered or on their way (made by the weights before this sync)."""
+        config = self.config
+        return (
+            config.learner.overlap_sync
+            and self.weights.transfer == "object_store"
+            and config.buffer.max_staleness >= 1
+            and not config.rollout.in_flight_updates
+            and not config.agent.enabled
+            and self._trained_at_version() > self.learner_version
+        )
+
+    def _start_next_step(self) -> None:
+        self.next_step = self._take_and_start()
 
     def evaluate(self) -> Evaluation:
         """Returns the held-out evaluation of the current policy."""

@@ -9,15 +9,21 @@ sync went by transfer. Colocated (ray.placement colocated): each engine takes it
 learner's weights in memory, in its process.
 
 With buffer.max_staleness >= 1 a sync is checked on its own: a few episodes of the step's
-batch are scored by the learner and by a rollout engine that just loaded its weights
-(rollout.parity_check_every). With 0, every training batch is made by the weights the
-learner holds, and its own logprobs show parity.
+batch are scored by the learner and by a rollout engine that just loaded its weights,
+which compares the two (rollout.parity_check_every, rlray.core.parity); the next step
+reports the gap unless its own batch shows parity. With 0, every training batch is made
+by the weights the learner holds, and its own logprobs show parity.
+
+A sync may let the next learner step start before it ends (`sync(start_next=...)`): the
+learner's calls run in order, so that step starts once the weights are published, and
+trains while the workers load them and the check runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rlray.cluster.calls import ActorFailure
@@ -55,21 +61,31 @@ class WeightSync:
         self.transfer_open = False  # the learners' weight transfer to the workers
         self.published: Any = None  # ObjectRef of the last published weights
         self.syncs = 0
+        self.last_gap: float | None = None
+        """The parity gap of the last checked sync, until the next step reports it."""
         recovery.restorers["rollout"] = self._reload
 
-    def sync(self) -> dict[str, Any]:
+    def sync(self, start_next: Callable[[], None] | None = None) -> dict[str, Any]:
         """Publishes the learner's weights once and loads them on every rollout worker;
         returns the sync's record: its path, wall time, the slowest worker's load time
-        and the version each worker holds."""
+        and the version each worker holds. With the object-store path, `start_next` is
+        called once the publish and the loads are asked for, before they are waited for:
+        it may start the next learner step, which then trains beside the loads and the
+        parity check."""
         self.syncs += 1
         checked = self.config.buffer.max_staleness > 0 and (
             self.syncs % self.config.rollout.parity_check_every == 0
         )
-        sample = self._parity_sample() if checked else None
+        # Asked first: the learner's calls run in order, so it is of the weights published.
+        sample = self.actors.learner.parity_sample.remote() if checked else None
+        started = time.perf_counter()
+        if self.transfer == "object_store":
+            loads = self._publish()
+            if start_next is not None:
+                start_next()  # its own phases (buffer) while the loads run
         with self.clock.phase("weight_sync"):
-            started = time.perf_counter()
             if self.transfer == "object_store":
-                path, loaded = "object_store", self._publish_and_load()
+                path, loaded = "object_store", self._wait_for_loads(loads)
             elif self.transfer == "in_memory":
                 path, loaded = "in_memory", self._load_in_memory()
             else:
@@ -87,13 +103,25 @@ class WeightSync:
             "weight_versions_loaded": {name: version for name, (version, _) in loaded.items()},
         }
 
-    def _publish_and_load(self) -> Loaded:
-        """The object-store sync: the learner publishes one object, and every worker loads
-        it, all at once. A worker that died is waited for and loads it when restarted
-        (its load seconds are then None)."""
+    def take_gap(self) -> float | None:
+        """Returns the last checked sync's parity gap, once."""
+        gap, self.last_gap = self.last_gap, None
+        return gap
+
+    def _publish(self) -> list[Any]:
+        """The object-store sync's asks: the learner publishes one object, and every
+        worker loads it, all at once; returns the loads' ObjectRefs."""
         self.published = self.actors.learner.publish_weights.remote()
+        return [worker.load_published.remote(self.published) for worker in self.actors.rollout]
+
+    def _publish_and_load(self) -> Loaded:
+        """The object-store sync, asked and waited for."""
+        return self._wait_for_loads(self._publish())
+
+    def _wait_for_loads(self, loads: list[Any]) -> Loaded:
+        """Waits for the workers' loads. A worker that died is waited for and loads the
+        published weights when restarted (its load seconds are then None)."""
         names = self.actors.rollout_names
-        loads = [worker.load_published.remote(self.published) for worker in self.actors.rollout]
         loaded: Loaded = {}
         for worker, (name, load) in enumerate(zip(names, loads, strict=True)):
             try:
@@ -160,36 +188,22 @@ class WeightSync:
         self.recovery.call("learner", opened, "opening the weight transfer")
         self.transfer_open = True
 
-    def _parity_sample(self) -> Any:
-        """Has the learner keep its logprobs of a few episodes of the step's batch, and
-        returns the reference to those episodes. Before the load: a colocated learner's
-        turn ends there."""
-        with self.clock.phase("parity_check"):
-            learner = self.actors.learner
-            sample = learner.parity_sample.remote()
-            # An actor runs calls in order: the answer to a small one says the sample is
-            # ready, and its episodes stay out of the driver.
-            self.recovery.call("learner", learner.state.remote(), "parity check")
-        return sample
-
     def _check_parity(self, sample: Any) -> None:
         """Has rollout worker 0's engine score the learner's sample of the step's batch
-        (a prefill), and the learner compare it with its own logprobs: the parity error
-        its next step reports. A worker that died meanwhile is brought back (it loads
-        the weights) and scores the sample then; only a second death in the one check
-        leaves the sync unchecked."""
+        (a prefill) and compare it with the learner's logprobs: the gap the next step
+        reports. A worker that died meanwhile is brought back (it loads the weights) and
+        checks then; only a second death in the one check leaves the sync unchecked."""
         name = self.actors.rollout_names[0]
         for _ in range(2):
-            scored = self.actors.rollout[0].token_logprobs.remote(sample)
+            checked = self.actors.rollout[0].parity_gap.remote(sample)
             try:
-                self.recovery.call(name, scored, "parity check")  # a few hundred floats
+                self.last_gap = self.recovery.call(name, checked, "parity check")
             except ActorFailure as failure:
                 if not failure.died or failure.lost:
                     raise
                 self.recovery.recover(name, failure)  # raises if the learner died
                 continue
-            checked = self.actors.learner.check_parity.remote(scored)
-            self.recovery.call("learner", checked, "parity check")
+            self.telemetry.set("rlray_logprob_parity_error", self.last_gap)
             return
         logger.warning("%s died twice in one parity check; this sync's is not checked", name)
 

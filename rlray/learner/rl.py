@@ -31,6 +31,7 @@ from rlray.core.checkpoints import publish_sealed, seal_checkpoint, staging_dire
 from rlray.core.episode import Episode, ModelLimits, validate_episodes
 from rlray.core.files import writing
 from rlray.core.groups import check_whole_groups, group_indexes
+from rlray.core.parity import ParitySample
 from rlray.core.stats import StepMetrics
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
@@ -128,11 +129,7 @@ class Learner:
         self.fuse_old_logprobs = True
         """Whether steps with one update take the logprobs before it from its own forward
         pass (fuses_old_logprobs); tests turn it off to compare."""
-        self.probe_parity: float | None = None
-        """The last sync check's parity error, reported by the next step if its batch has
-        no episode of the current version."""
         self.parity_episodes: list[Episode] = []  # the last step's, for the sync check
-        self.parity_reference: tuple[torch.Tensor, torch.Tensor] | None = None
         self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
         if checkpoint:
             state = json.loads((Path(checkpoint) / "state.json").read_text())
@@ -157,9 +154,13 @@ class Learner:
                 known[i] = True
         return logprobs.to(self.device), known.to(self.device)
 
-    def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
-        """Returns the policy's logprob of every completion token of each episode."""
-        logp = self.engine.score(self._batch(episodes), with_values=False).logp
+    def logprobs(
+        self, episodes: list[Episode], temperature: float | None = None
+    ) -> list[list[float]]:
+        """Returns the policy's logprob of every completion token of each episode (at
+        the sampling temperature unless given)."""
+        batch = self._batch(episodes)
+        logp = self.engine.score(batch, with_values=False, temperature=temperature).logp
         return [logp[i, : len(e.completion_token_ids)].tolist() for i, e in enumerate(episodes)]
 
     # ------------------------------------------------------------------ one step
@@ -181,7 +182,6 @@ class Learner:
         validate_episodes(episodes, self.limits, where=f"step {self.version + 1}: episodes")
         self.parity_episodes = self._parity_candidates(episodes)
         self.engine.token_counts = TokenCounts()
-        self.parity_reference = None  # of the weights this step changes
         fused = self.fuses_old_logprobs(len(episodes))
         step = self._prepare(episodes, fused)
         try:
@@ -199,10 +199,9 @@ class Learner:
             raise rm.NonFiniteError(f"step {self.version + 1}: {err}") from None
         # The logprobs before the update: the step's first pass's, or (fused) the update's.
         old_logp = step.inputs.old_logp
+        # None when nothing in this batch is of the current version: the driver then
+        # reports the check of the last sync (rlray.core.parity).
         parity = self._parity_error(episodes, old_logp, step.rollout_logp, step.known_mask)
-        if parity is None:  # nothing fresh in this batch: report the post-sync probe
-            parity = self.probe_parity
-        self.probe_parity = None
         self.version += 1
         return self._metrics(episodes, step, updates, parity, time.perf_counter() - started)
 
@@ -355,35 +354,17 @@ class Learner:
             learner_padding_tokens=self.engine.token_counts.padding,
         )
 
-    def parity_sample(self) -> list[Episode]:
-        """Returns a few episodes of the last step's batch, and keeps the current
-        weights' logprobs of their policy tokens at temperature 1: what a rollout engine
-        holding the same weights gives those tokens (RolloutWorker.token_logprobs).
-        check_parity compares the two. With max_staleness >= 1 a training batch is
-        usually a version old, so its own logprobs cannot show a corrupted sync; this
-        check can, with its own tokens: a forward pass here and a prefill in the engine
-        over a few episodes, no generation."""
+    def parity_sample(self) -> ParitySample:
+        """Returns a few episodes of the last step's batch with the current weights'
+        logprobs of their completion tokens at temperature 1: what a rollout engine
+        holding the same weights gives those tokens (RolloutWorker.parity_gap compares).
+        With max_staleness >= 1 a training batch is usually a version old, so its own
+        logprobs cannot show a corrupted sync; this check can, with its own tokens: a
+        forward pass here and a prefill in the engine over a few episodes, no
+        generation."""
         episodes = self.parity_episodes
-        if not episodes:
-            self.parity_reference = None
-            return []
-        batch = self._batch(episodes)
-        logp = self.engine.score(batch, with_values=False, temperature=1.0).logp
-        self.parity_reference = (logp, batch.mask)
-        return episodes
-
-    def check_parity(self, engine_logprobs: list[list[float]]) -> float | None:
-        """Records (and returns) max |engine logprob - learner logprob| over the policy
-        tokens of parity_sample's episodes, given the engine's (None: nothing to
-        compare). The next train_step reports it if its own batch cannot show parity."""
-        if self.parity_reference is None or not engine_logprobs:
-            return None
-        logp, mask = self.parity_reference
-        engine = torch.zeros_like(logp)
-        for row, scored in enumerate(engine_logprobs):
-            engine[row, : len(scored)] = torch.tensor(scored)
-        self.probe_parity = float(((logp - engine).abs() * mask).max())
-        return self.probe_parity
+        logprobs = self.logprobs(episodes, temperature=1.0) if episodes else []
+        return ParitySample(episodes, logprobs, self.version)
 
     def _parity_candidates(self, episodes: list[Episode]) -> list[Episode]:
         """The first PARITY_EPISODES episodes with a policy token that an engine can take

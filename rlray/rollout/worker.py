@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from rlray.config import ModelConfig, RolloutConfig
 from rlray.core.episode import Episode
 from rlray.core.evaluation import EvalEpisodes
+from rlray.core.parity import ParitySample, parity_gap
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult, GenerateStats
 from rlray.data.chat import RenderedPrompt, episode_columns, render_prompt
@@ -627,6 +628,12 @@ class RolloutWorker:
         without answers; with an environment: the mean reward it gave greedy
         trajectories)."""
         return self.eval_episodes(rows, examples=examples)[1]
+
+    def parity_gap(self, sample: ParitySample) -> float | None:
+        """Returns how far this engine's logprobs of the sample's tokens are from the
+        learner's (rlray.core.parity): a weight sync's check, made once the weights the
+        learner had then are loaded."""
+        return parity_gap(sample, self.token_logprobs(sample.episodes))
 
     def token_logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         """Returns this engine's logprob of each episode's completion tokens, each after
