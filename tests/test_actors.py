@@ -108,6 +108,27 @@ def test_a_sync_is_checked_on_its_steps_own_tokens_and_an_engine_left_behind_sho
     driver.drain()
 
 
+def test_a_sync_may_start_the_next_step_which_trains_while_the_workers_load(system):
+    # learner.overlap_sync: the learner runs its calls in order, so the next step asked
+    # for after the publish cannot change what is published.
+    plan, actors = system
+    version = ray.get(actors.learner.state.remote())["version"]
+    driver = TrainingDriver(plan, actors, version=version, prompt_cursor=8000)
+    driver.sync_weights()
+    driver.train_step()  # with max_staleness 1 the next batch is made meanwhile
+    assert driver.overlaps_sync()
+    synced = driver.sync_weights(start_next=True)
+    assert driver.next_step is not None  # started before the loads were waited for
+    # The workers hold the step's own weights, not the next step's, and the check
+    # compared them with the learner's of that version.
+    assert synced["weight_versions_loaded"] == dict.fromkeys(actors.rollout_names, version + 1)
+    assert driver.weights.last_gap <= 1e-4
+    metrics = driver.train_step()  # the started step, waited for
+    assert metrics["step"] == version + 2 and driver.next_step is None
+    assert metrics["logprob_parity_error"] <= 1e-4
+    driver.drain()
+
+
 def _start_environment(actor) -> dict[str, str]:
     """Returns the environment the actor's process started with (what glibc read)."""
     with open("/proc/self/environ", "rb") as environ:

@@ -76,6 +76,14 @@ def test_stale_episodes_are_dropped_and_counted():
     assert [b.batch_id for b in taken.dropped] == [0]
     assert buffer.stats()["dropped_stale"] == 4
     assert buffer.stats()["buffer_depth"] == 0
+    # The take says the same, so a learner step's figures need no call of their own.
+    assert (taken.dropped_stale_episodes, taken.depth_episodes) == (4, 0)
+    buffer.reserve(4)
+    buffer.add(batch(2, batch_id=3))
+    buffer.reserve(4)
+    buffer.add(batch(2, batch_id=4))
+    taken = buffer.take(4, learner_version=2)
+    assert (taken.dropped_stale_episodes, taken.depth_episodes) == (4, 4)
 
 
 def test_strict_on_policy_is_staleness_zero_on_the_same_path():

@@ -196,9 +196,6 @@ class TrainingDriver:
         gap = self.weights.take_gap()
         if metrics["logprob_parity_error"] is None:  # nothing fresh: the last sync's check
             metrics["logprob_parity_error"] = gap
-        # Asked before the store's write, which the buffer's process then makes (its
-        # episodes fetched and written) while the driver goes on.
-        buffer_stats = self.buffer_call(lambda: self.actors.buffer.stats.remote(), "stats")
         # Only now are they trained on: a learner that died mid-step leaves them untrained.
         with interrupts_held():
             self.store.write([b.ref for b in self.training], trained_at=time.time())
@@ -206,8 +203,9 @@ class TrainingDriver:
         tally = self.rollouts.take_tally()
         return {
             **metrics,
-            "buffer_depth": buffer_stats["buffer_depth"],
-            "dropped_stale": buffer_stats["dropped_stale"],
+            # As the step's take left them: the driver adds no batch while it trains.
+            "buffer_depth": taken.depth_episodes,
+            "dropped_stale": taken.dropped_stale_episodes,
             "dropped_stale_this_step": sum(b.num_episodes for b in taken.dropped),
             "rollout_tokens_per_s": tally.tokens_per_s(),
             "reward_seconds": tally.reward_seconds,

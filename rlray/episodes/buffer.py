@@ -31,6 +31,10 @@ class TakenBatches:
 
     batches: list[BufferedBatch]
     dropped: list[BufferedBatch]
+    depth_episodes: int = 0
+    """Episodes the buffer holds after the take."""
+    dropped_stale_episodes: int = 0
+    """Episodes dropped as stale so far, in all."""
 
 
 class EpisodeBuffer:
@@ -96,7 +100,7 @@ class EpisodeBuffer:
             self._batches.popleft()
         self.depth_episodes -= count
         dropped, self._dropped_unreported = self._dropped_unreported, []
-        return TakenBatches(batches, dropped)
+        return TakenBatches(batches, dropped, self.depth_episodes, self.dropped_stale_episodes)
 
     def _drop_stale(self, learner_version: int) -> None:
         kept: deque[BufferedBatch] = deque()
