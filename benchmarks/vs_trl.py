@@ -108,8 +108,10 @@ class Outcome:
     def time_to(self, accuracy: float) -> float | None:
         return next((e["seconds"] for e in self.evals if e["accuracy"] >= accuracy), None)
 
-    def mean_accuracy(self, seconds: float) -> float:
-        return statistics.mean(e["accuracy"] for e in self.evals if e["seconds"] <= seconds)
+    def mean_accuracy(self, seconds: float, since: float = 0.0) -> float | None:
+        """The mean of the held-out evaluations from `since` to `seconds` of training."""
+        seen = [e["accuracy"] for e in self.evals if since <= e["seconds"] <= seconds]
+        return statistics.mean(seen) if seen else None
 
     def accuracy_at(self, seconds: float) -> float | None:
         seen = [e["accuracy"] for e in self.evals if e["seconds"] <= seconds]
@@ -276,6 +278,8 @@ def comparison(ours: list[Outcome], trl: list[Outcome]) -> str:
     measures: list[tuple[str, Callable[[Outcome], float | None], int]] = [
         *[(f"seconds to {a:.2f}", lambda o, a=a: o.time_to(a), 0) for a in THRESHOLDS],
         *[(f"accuracy at {t} s", lambda o, t=t: o.accuracy_at(t), 3) for t in WALL_TIMES],
+        # Issue 26's goal: the mean over the 50 s before 200 s.
+        ("mean accuracy over 150-200 s", lambda o: o.mean_accuracy(200, since=150), 3),
         ("training seconds run", lambda o: o.seconds, 0),
         ("episodes/s", lambda o: o.episodes_per_s, 0),
         ("peak memory (GiB)", lambda o: o.peak_gib, 2),
