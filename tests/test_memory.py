@@ -26,15 +26,18 @@ sys.stdin.read()
 """
 
 
-@pytest.fixture
-def forked_pair():
+def start_ready(code: str) -> subprocess.Popen:
+    """Starts Python on `code`, talking over pipes, once it has printed "ready"."""
     process = subprocess.Popen(
-        [sys.executable, "-c", TOUCH_AND_FORK],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert process.stdout.readline().strip() == "ready"
+    return process
+
+
+@pytest.fixture
+def forked_pair():
+    process = start_ready(TOUCH_AND_FORK)
     deadline = time.monotonic() + 30
     while len(with_descendants([process.pid])) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -84,14 +87,8 @@ for line in sys.stdin:
 
 
 def test_the_monitor_measures_pss_again_when_resident_memory_grows():
-    process = subprocess.Popen(
-        [sys.executable, "-c", GROW_ON_EACH_LINE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    process = start_ready(GROW_ON_EACH_LINE)
     try:
-        assert process.stdout.readline().strip() == "ready"
         monitor = MemoryMonitor(lambda: [process.pid], refresh_s=3600)
         monitor.look()  # the first look measures
         monitor.look()  # nothing grew: no measurement
