@@ -38,7 +38,8 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.agent.gateway import CallLimits
-from rlray.cluster.roles import AgentActor, RolloutActor
+from rlray.cluster.endpoints import AgentActor
+from rlray.cluster.roles import RolloutActor
 from rlray.config import AgentConfig, DataConfig, ModelConfig, RolloutConfig
 from rlray.data.models import load_tokenizer, resolve_model_path
 from rlray.data.prompts import train_prompts

@@ -34,7 +34,6 @@ from rlray.core.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
 from rlray.driver.run_log import HeldStep, RunLog, RunSummary
 from rlray.driver.training import TrainingDriver
-from rlray.observe.report import write_report
 from rlray.observe.timing import describe_totals
 
 
@@ -207,6 +206,9 @@ def report(plan: RunPlan, summary: RunSummary, log: RunLog) -> None:
     (plan.run_dir / "summary.json").write_text(summary.to_json())
     log.trackers.summary(summary.__dict__)
     log.trackers.close()
+    # matplotlib (27 MiB) loads once the actors are gone, out of the run's memory peak
+    from rlray.observe.report import write_report
+
     picture = write_report(plan.run_dir)
     print(
         f"done: {summary.steps} steps, {summary.held_out_change()}, "

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from rlray.agent.gateway import CallLimits
-from rlray.cluster.roles import AgentActor
+from rlray.cluster.endpoints import AgentActor
 from rlray.config import AgentConfig
 from rlray.core.prompt import PromptRow
 from rlray.data.models import resolve_model_path

@@ -313,7 +313,7 @@ def test_episodes_the_model_cannot_take_get_a_400():
 
 
 def test_the_ingest_actor_checks_posted_episodes_against_the_runs_model(caplog):
-    from rlray.cluster.roles import IngestActor
+    from rlray.cluster.endpoints import IngestActor
     from rlray.config import IngestConfig
     from rlray.data.models import model_limits, resolve_model_path
 

@@ -22,7 +22,7 @@ engine's sampled ids and logprobs are what the episode keeps.
 
 `AgentGateway` is a plain class over an asyncio event loop: everything here runs in
 that one loop, so no lock guards the traces. The actor that serves it
-(rlray.cluster.roles.AgentActor) gives it the engine (`generate`) and the tokenizer.
+(rlray.cluster.endpoints.AgentActor) gives it the engine (`generate`) and the tokenizer.
 """
 
 from __future__ import annotations

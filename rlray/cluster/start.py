@@ -21,13 +21,12 @@ from rlray.agent.gateway import CallLimits
 from rlray.cluster import local_ray_watchdog
 from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.colocated import ColocatedActor
+from rlray.cluster.endpoints import AgentActor, IngestActor
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, colocated_resources, role_resources
 from rlray.cluster.roles import (
     STORE_CALLS,
-    AgentActor,
     EpisodesActor,
-    IngestActor,
     RewardActor,
     RolloutActor,
     StoreActor,

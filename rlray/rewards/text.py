@@ -41,8 +41,6 @@ import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from sacrebleu.metrics import BLEU, CHRF
-
 from rlray.data.chat import accepts_chat
 
 _CJK = (
@@ -286,6 +284,10 @@ def bleu(
 
     tokenize is sacrebleu's tokenizer name: "13a" by default, "zh" or "char" for Chinese.
     """
+    # sacrebleu (and lxml, 5 MiB) loads only in the reward process of a run that scores
+    # BLEU or chrF, not in every process that imports the text rewards
+    from sacrebleu.metrics import BLEU
+
     # sacrebleu.sentence_bleu builds a metric per sentence; one per call scores the same.
     metric = BLEU(tokenize=tokenize, effective_order=True)
     return _score_against_references(completions, reference, metric.sentence_score)
@@ -297,6 +299,9 @@ def chrf(
 ) -> list[float | None]:
     """Returns sacrebleu's sentence chrF against the reference(s) / 100, in [0, 1]; None where
     the reference is None."""
+    # as in bleu
+    from sacrebleu.metrics import CHRF
+
     metric = CHRF()
     return _score_against_references(completions, reference, metric.sentence_score)
 
