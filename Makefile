@@ -18,11 +18,13 @@ setup: $(STAMP)
 # on disk, a requirement of xgrammar's GPU kernels): it has no CPU backend here, so
 # vLLM's CPU build turns it off, yet torch's compiler stack, which transformers imports,
 # loads its library into the learner and the engine (60 MiB of the default job's peak).
+# And opencv-python-headless: vLLM decodes video with it (rlray serves text) and imports
+# it wherever it is installed, 40 MiB of the engine's process.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
-		sentence-transformers scikit-learn scipy triton
+		sentence-transformers scikit-learn scipy triton opencv-python-headless
 	touch $(STAMP)
 
 run: setup
