@@ -128,13 +128,15 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
     config = Config()
     path = resolve_model_path(config.model.path)
     # The embedded model: 2 layers, 2 KV heads of 64 dims, float32; keys and values for
-    # 64 prompts x 4 samples at 64 tokens, in one 128-token block each:
-    # 256 * 128 * (2 * 2 * 2 * 64 * 4) bytes.
-    assert kv_cache_bytes(path, config.model, config.rollout) == 256 * 128 * 2048 == 64 * MIB
+    # 64 prompts x 4 samples at 64 tokens, in one 64-token block each:
+    # 256 * 64 * (2 * 2 * 2 * 64 * 4) bytes.
+    assert kv_cache_bytes(path, config.model, config.rollout) == 256 * 64 * 2048 == 32 * MIB
     config.model.dtype = "bfloat16"
     config.rollout.samples_per_prompt = 8
-    assert kv_cache_bytes(path, config.model, config.rollout) == 64 * MIB
-    config.model.max_model_len = 272  # three blocks a sequence
+    assert kv_cache_bytes(path, config.model, config.rollout) == 32 * MIB
+    config.model.max_model_len = 80  # a block of 96 tokens: the multiple of 32 that holds it
+    assert kv_cache_bytes(path, config.model, config.rollout) == 48 * MIB
+    config.model.max_model_len = 272  # three 128-token blocks a sequence
     assert kv_cache_bytes(path, config.model, config.rollout) == 3 * 64 * MIB
     # A size in GiB still overrides it, through vLLM's CPU environment variable.
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(config.rollout)

@@ -89,10 +89,17 @@ def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
     return env
 
 
-# vLLM's CPU attention keeps KV in blocks of this many tokens (its CPU default; the
-# kernel takes multiples of 32). Passed explicitly so that kv_cache_bytes counts the
+# vLLM's CPU attention keeps KV in blocks of up to this many tokens (its CPU default;
+# the kernel takes multiples of 32). Passed explicitly so that kv_cache_bytes counts the
 # same blocks vLLM allocates.
 KV_BLOCK_TOKENS = 128
+
+
+def kv_block_tokens(max_model_len: int) -> int:
+    """Returns the KV block size for a model of max_model_len tokens: KV_BLOCK_TOKENS, or
+    for a shorter model the multiple of 32 that holds it, so that a sequence's one block
+    is not mostly padding (the embedded model: 64 tokens, half the cache otherwise)."""
+    return min(KV_BLOCK_TOKENS, -(-max_model_len // 32) * 32)
 
 
 def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) -> int:
@@ -104,7 +111,7 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     schedules them in waves. A cache too small for a rollout batch would make vLLM
     preempt and recompute sequences, which on the CPU build fails for seeded sampling
     ("CPU Generator does not use offset", vLLM 0.32). For the embedded model this is
-    64 MiB (twice that with rollout.in_flight_updates: two batches), where a fixed 1 GiB
+    32 MiB (twice that with rollout.in_flight_updates: two batches), where a fixed 1 GiB
     (rlray's earlier default) was allocated and touched, and mostly unused."""
     # torch, transformers and vLLM load in the rollout actor only (see __init__)
     from transformers import AutoConfig
@@ -117,8 +124,9 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     sequences = rollout.prompts_per_batch * rollout.samples_per_prompt
     if rollout.in_flight_updates:  # two batches at once (RolloutConfig.in_flight_updates)
         sequences *= 2
-    blocks = -(-model.max_model_len // KV_BLOCK_TOKENS)  # ceil
-    return sequences * blocks * KV_BLOCK_TOKENS * per_token
+    block = kv_block_tokens(model.max_model_len)
+    blocks = -(-model.max_model_len // block)  # ceil
+    return sequences * blocks * block * per_token
 
 
 def new_attempt() -> str:
@@ -179,7 +187,7 @@ class RolloutWorker:
             engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size
             engine_args["distributed_executor_backend"] = "ray"
         else:
-            engine_args["block_size"] = KV_BLOCK_TOKENS
+            engine_args["block_size"] = kv_block_tokens(model.max_model_len)
             if rollout.kv_cache_gib == 0:
                 engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
         # The actors get weight_sync resolved ("auto" is the object store here).
