@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import connect, start_actors, start_agent
-from rlray.config import ConfigError, parse_command_line, validate
+from rlray.config import ConfigError, validate
+from rlray.config.command_line import parse_command_line
 from rlray.data.prompts import FilePrompts
 from rlray.driver.collecting import CollectDriver
 from rlray.driver.plan import RunPlan, plan_run, write_config

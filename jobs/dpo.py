@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import connect, required_cpus, start_preference_learners
-from rlray.config import Config, ConfigError, parse_command_line, validate
+from rlray.config import Config, ConfigError, validate
+from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.data.prompts import eval_rows

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.config import Config, ConfigError, eval_rewards, parse_command_line, validate
+from rlray.config import Config, ConfigError, eval_rewards, validate
+from rlray.config.command_line import parse_command_line
 from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
 from rlray.core.prompt import PromptRow

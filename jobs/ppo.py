@@ -29,7 +29,8 @@ from rlray.cluster.start import (
     start_agent,
     start_ingest,
 )
-from rlray.config import ConfigError, parse_command_line, validate
+from rlray.config import ConfigError, validate
+from rlray.config.command_line import parse_command_line
 from rlray.core.interrupts import stop_at_once_on_signals, stop_on_sigterm
 from rlray.driver.plan import RunPlan, plan_run, write_config
 from rlray.driver.run_log import HeldStep, RunLog, RunSummary

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.config import ConfigError, parse_command_line, validate
+from rlray.config import ConfigError, validate
+from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.driver.plan import create_run_directory

@@ -16,7 +16,8 @@ import ray
 
 from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.start import start_actors, start_ingest
-from rlray.config import Config, IngestConfig, RewardSpec, parse_command_line, validate
+from rlray.config import Config, IngestConfig, RewardSpec, validate
+from rlray.config.command_line import parse_command_line
 from rlray.driver.plan import plan_run
 from rlray.driver.training import TrainingDriver
 from rlray.episodes.buffer import BufferedBatch

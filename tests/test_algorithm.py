@@ -17,10 +17,9 @@ from rlray.config import (
     AlgorithmConfig,
     Config,
     ConfigError,
-    build_parser,
-    parse_command_line,
     validate,
 )
+from rlray.config.command_line import build_parser, parse_command_line
 from rlray.config.schema import KLEstimator, LossAggregation, RolloutCorrection
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlray.config import Config, ConfigError, parse_command_line
+from rlray.config import Config, ConfigError
+from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
 from rlray.driver.plan import plan_run
 from tests.jobs_helper import REPO

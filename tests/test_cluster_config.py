@@ -25,7 +25,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from rlray.cluster import telemetry
-from rlray.config import parse_command_line, validate
+from rlray.config import validate
+from rlray.config.command_line import parse_command_line
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_FILES = ["cluster.yaml", "cluster-local.yaml"]

@@ -15,13 +15,12 @@ from rlray.config import (
     ConfigError,
     LearnerConfig,
     agent_token,
-    build_parser,
     config_to_dict,
     ingest_token,
-    parse_command_line,
     validate,
     weight_sync,
 )
+from rlray.config.command_line import build_parser, parse_command_line
 
 
 def settable_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple]:

@@ -180,7 +180,8 @@ def greedy_accuracy(
 
 @pytest.mark.slow
 def test_held_out_accuracy_is_greedy_exact_match_of_the_synced_policy(five_step_runs):
-    from rlray.config import Config, parse_command_line
+    from rlray.config import Config
+    from rlray.config.command_line import parse_command_line
     from rlray.data.models import resolve_model_path
     from rlray.data.prompts import eval_rows
 

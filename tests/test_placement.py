@@ -176,7 +176,8 @@ def test_a_one_gpu_machine_places_the_colocated_run_and_not_the_disaggregated_on
 
 
 def test_the_one_gpu_line_of_the_docs_is_the_config_placed_above():
-    from rlray.config import parse_command_line, validate
+    from rlray.config import validate
+    from rlray.config.command_line import parse_command_line
 
     page = (REPO / "docs" / "cluster.md").read_text()
     lines = [line for line in page.splitlines() if line.startswith("python jobs/ppo.py")]
@@ -195,7 +196,8 @@ def test_the_one_gpu_line_of_the_docs_is_the_config_placed_above():
 
 def test_the_eight_gpu_line_of_the_docs_gives_each_rank_a_gpu_and_each_engine_a_batch():
     from rlray.cluster.placement import colocated_resources
-    from rlray.config import parse_command_line, validate
+    from rlray.config import validate
+    from rlray.config.command_line import parse_command_line
 
     page = (REPO / "docs" / "cluster.md").read_text()
     (line,) = [

@@ -1,8 +1,8 @@
-"""The one typed config: its schema (rlray.config.schema), its command line and YAML files
-(rlray.config.command_line) and its checks (rlray.config.checks)."""
+"""The one typed config: its schema (rlray.config.schema) and its checks
+(rlray.config.checks). Its command line and YAML files are rlray.config.command_line,
+which the jobs import: it loads jsonargparse, which no actor needs."""
 
 from rlray.config.checks import validate
-from rlray.config.command_line import CommandLine, build_parser, load_yaml_file, parse_command_line
 from rlray.config.schema import (
     BUILTIN_CALCULATOR,
     BUILTIN_CALCULATOR_MODEL,
@@ -48,7 +48,6 @@ __all__ = [
     "AgentConfig",
     "AlgorithmConfig",
     "BufferConfig",
-    "CommandLine",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -65,12 +64,9 @@ __all__ = [
     "StoreConfig",
     "TrackingConfig",
     "agent_token",
-    "build_parser",
     "config_to_dict",
     "eval_rewards",
     "ingest_token",
-    "load_yaml_file",
-    "parse_command_line",
     "partial_rollouts",
     "validate",
     "weight_sync",

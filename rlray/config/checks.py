@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rlray.algorithms.estimators import ESTIMATORS
-from rlray.config.command_line import did_you_mean
 from rlray.config.schema import (
     Config,
     ConfigError,
     Range,
     RewardSpec,
     agent_token,
+    did_you_mean,
     eval_rewards,
     field_types,
     ingest_token,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import difflib
 import math
 import re
 import textwrap
@@ -26,7 +25,7 @@ from jsonargparse import Namespace
 
 from rlray.algorithms.estimators import ESTIMATORS
 from rlray.algorithms.losses import POLICY_LOSSES
-from rlray.config.schema import Config, ConfigError, field_types
+from rlray.config.schema import Config, ConfigError, did_you_mean, field_types
 
 # jsonargparse builds the parser from the schema's dataclasses: their type hints, defaults
 # and the string literal under each field (read by docstring-parser) as its --help text.
@@ -254,11 +253,6 @@ def _is_non_finite(text: str) -> bool:
         return not math.isfinite(float(text))
     except ValueError:
         return False
-
-
-def did_you_mean(name: str, known: list[str]) -> str:
-    guess = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean '{guess[0]}'?)" if guess else ""
 
 
 def _fields_under(section: str) -> list[str]:

@@ -10,6 +10,7 @@ together, naming the bad field.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 import typing
@@ -104,6 +105,12 @@ def fraction(default: float) -> Any:
 
 class ConfigError(ValueError):
     """A bad config value; the message is one line naming the field or file."""
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """Returns " (did you mean 'X'?)" for the known name closest to `name`, or ""."""
+    guess = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean '{guess[0]}'?)" if guess else ""
 
 
 @dataclass
