@@ -210,7 +210,11 @@ class TrainingDriver:
             "rollout_tokens_per_s": tally.tokens_per_s(),
             "reward_seconds": tally.reward_seconds,
             "reward_wait_seconds": tally.reward_wait_seconds,
-            "reward_failures": tally.reward_failures,
+            # Every component, 0 where none failed or no batch was scored since the last step.
+            "reward_failures": {
+                spec.name: tally.reward_failures.get(spec.name, 0)
+                for spec in self.config.reward.functions
+            },
             "reward_dropped_episodes": tally.reward_dropped,
             "prompts_generated": tally.prompts_generated,
             "dropped_uniform_groups": tally.uniform_groups,
