@@ -109,6 +109,10 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
         ray_processes = psutil.Process(job.pid).children(recursive=True)
         names = {p.name() for p in ray_processes}
         assert {"raylet", "gcs_server"} <= names, names
+        # Its own Ray starts neither the autoscaler's monitor nor the API server, which
+        # it never uses; the log monitor brings the actors' output.
+        scripts = {Path(arg).name for p in ray_processes for arg in p.cmdline()}
+        assert "log_monitor.py" in scripts and not {"monitor.py", "dashboard.py"} & scripts
         # Each can be stopped by the SIGTERM of Ray's own shutdown (a mask blocked in the
         # driver was inherited by all of them: each killed a second later instead).
         blocking = [p.name() for p in ray_processes if blocked_signals(p.pid) & SIGTERM_BIT]

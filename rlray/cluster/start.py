@@ -4,12 +4,14 @@ them, each waited for with a timeout; where each runs, and how to stop them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -167,13 +169,33 @@ def _init(target: str, num_cpus: int) -> None:
         _send_auth_token_if_any()
         ray.init(address=target)
         return
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        logging_level=logging.WARNING,  # not "Started a local Ray instance"
-    )
+    with _without_unused_head_processes():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,  # not "Started a local Ray instance"
+        )
     _end_local_ray_with_this_process()
+
+
+@contextlib.contextmanager
+def _without_unused_head_processes() -> Iterator[None]:
+    """Starts a job's own Ray without two head processes it never uses: the autoscaler's
+    monitor (one node, nothing to scale) and, the dashboard being off, the API server,
+    which then loads only Ray's usage-stats module. Together they held 0.12 GiB of the
+    default job's peak and took 2.5 s of its start and stop (measured). ray.init has no
+    parameter for either (Ray 2.60 keeps them in its Node class), so they are skipped for
+    this one call. The metrics export (the dashboard agent) and actors' output (the log
+    monitor) stay."""
+    node = ray._private.node.Node
+    saved = node.start_monitor, node.start_api_server
+    node.start_monitor = lambda self: None
+    node.start_api_server = lambda self, **_: None
+    try:
+        yield
+    finally:
+        node.start_monitor, node.start_api_server = saved
 
 
 def _end_local_ray_with_this_process() -> None:
