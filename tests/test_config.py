@@ -284,6 +284,11 @@ def test_missing_config_file_is_named(tmp_path):
             ["--model.lora.rank", "8", "--learner.num_workers", "2"],
             r"^model.lora with learner.num_workers > 1: LoRA adapters train in one learner$",
         ),
+        (
+            ["--learner.compile", "true", "--learner.num_workers", "2"],
+            r"^learner.compile with learner.num_workers 2: compiled layers are not built "
+            r"for a sharded learner group \(one learner only\)$",
+        ),
         (["--learner.num_workers", "0"], r"^learner.num_workers must be > 0, got 0$"),
         (
             ["--rollout.tensor_parallel_size", "2", "--rollout.gpus_per_worker", "1"],

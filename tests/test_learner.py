@@ -17,6 +17,7 @@ from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.episode import Episode, EpisodeError
 from rlray.core.parity import parity_gap
 from rlray.data.models import resolve_model_path
+from rlray.learner.distributed import decoder_layers
 from rlray.learner.engine import Outputs, collate
 from rlray.learner.rl import Learner
 
@@ -288,6 +289,34 @@ def test_gradient_checkpointing_gives_the_same_update(model_path, device):
     plain.train_step(episodes_for(plain, REWARDS))
     recomputed.train_step(episodes_for(recomputed, REWARDS))
     assert_same_policy(plain, recomputed)
+
+
+def test_compiled_layers_compute_what_plain_layers_do(model_path, device):
+    """learner.compile: every decoder layer runs compiled, and the logprobs, their
+    gradients and a step's loss are the plain layers' (up to float rounding: the fused
+    kernels sum in another order)."""
+    plain = make_learner(model_path, device, algorithm__advantage="grpo")
+    compiled = make_learner(model_path, device, algorithm__advantage="grpo", learner__compile=True)
+    layers = decoder_layers(compiled.engine.policy)
+    assert len(layers) == compiled.engine.policy.config.num_hidden_layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    # rows of unequal lengths: padding on both sides, as a micro-batch has
+    batch = collate([[5, 6, 7], [8]], [[9], [10, 11, 12]], pad_token_id=0).to(plain.engine.device)
+    logps, grads = [], []
+    for learner in (plain, compiled):
+        learner.engine.policy.zero_grad()
+        logp = learner.engine.forward(batch).logp * batch.mask
+        logp.sum().backward()
+        logps.append(logp.detach())
+        grads.append([p.grad.clone() for p in learner.engine.policy.parameters()])
+    torch.testing.assert_close(logps[1], logps[0])
+    for plain_grad, compiled_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled_grad, plain_grad, atol=1e-5, rtol=1e-4)
+    losses = [
+        learner.train_step(episodes_for(learner, REWARDS)).policy_loss
+        for learner in (plain, compiled)
+    ]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-7)
 
 
 def test_an_offloaded_optimizer_state_trains_as_if_it_had_stayed(model_path, device):

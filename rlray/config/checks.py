@@ -83,6 +83,15 @@ def _lora(config: Config) -> None:
         )
 
 
+def _compile(config: Config) -> None:
+    learner = config.learner
+    if learner.compile and learner.num_workers > 1:
+        raise ConfigError(
+            f"learner.compile with learner.num_workers {learner.num_workers}: compiled "
+            "layers are not built for a sharded learner group (one learner only)"
+        )
+
+
 def _devices(config: Config) -> None:
     r, learner = config.rollout, config.learner
     if r.tensor_parallel_size > 1 and r.gpus_per_worker != r.tensor_parallel_size:
@@ -320,6 +329,7 @@ def _evaluation(config: Config) -> None:
 
 RULES: tuple[Callable[[Config], None], ...] = (
     _lora,
+    _compile,
     _devices,
     _colocation,
     _seed,

@@ -82,6 +82,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Returns the model's decoder layers: the modules of the classes transformers names
+    in `_no_split_modules` (a critic's are on its trunk)."""
+    layer_classes = {
+        name
+        for module in model.modules()
+        for name in getattr(module, "_no_split_modules", None) or []
+    }
+    return [module for module in model.modules() if type(module).__name__ in layer_classes]
+
+
 def shard(model: nn.Module, device_type: str) -> nn.Module:
     """Shards the model's parameters (and so its gradients and optimizer state) across
     the process group with FSDP2: each decoder layer on its own, so that only one layer
@@ -89,15 +100,8 @@ def shard(model: nn.Module, device_type: str) -> nn.Module:
     summed over the group, not averaged (see the module docstring)."""
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    # transformers names its decoder layer classes; a critic's is on its trunk.
-    layer_classes = {
-        name
-        for module in model.modules()
-        for name in getattr(module, "_no_split_modules", None) or []
-    }
-    for module in model.modules():
-        if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # Each sharded module reduces its own gradients: set the sum on every one of them
     # (set on the root only, the layers' gradients were halved at 2 learners).

@@ -65,6 +65,20 @@ from rlray.learner.lora import load_adapter, save_merged, with_lora
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def compile_decoder_layers(model: nn.Module) -> None:
+    """Compiles each decoder layer's forward in place (torch.compile, inductor, dynamic
+    shapes; parameter names unchanged). The layers share one compiled graph, and one
+    more for passes without gradients. On CPU it fuses the norms', rotary's and
+    activation's elementwise work, about a quarter of a step (BENCHMARKS.md). The
+    compilation runs in this process (no pool of compile workers beside the learner)."""
+    # imported only when asked: inductor adds to every learner process's memory
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    for layer in dd.decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
 class ValueModel(nn.Module):
     """Critic: the base transformer of the starting model plus a linear value head."""
 
@@ -239,6 +253,7 @@ class Engine:
         with_reference: bool = False,
         with_critic: bool = False,
         gradient_checkpointing: bool = False,
+        compile_layers: bool = False,
         seed: int = 0,
         checkpoint: str | Path | None = None,
         lora_rank: int = 0,
@@ -285,6 +300,10 @@ class Engine:
             head_path = Path(trunk_path, "value_head.pt")
             if has_critic and head_path.is_file():
                 self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        if compile_layers:
+            for model in (self.policy, self.reference, self.critic):
+                if model is not None:
+                    compile_decoder_layers(model)
         self.rank, self.world_size = dd.rank_and_size()
         if self.world_size > 1:
             self._shard()

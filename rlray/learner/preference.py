@@ -193,6 +193,7 @@ def dpo_trainer(config: Config, model_path: str, device: str = "cpu") -> tuple[D
         micro_batch_tokens=learner.micro_batch_tokens,
         with_reference=True,
         gradient_checkpointing=learner.gradient_checkpointing,
+        compile_layers=learner.compile,
         seed=config.seed,
         device=device,
     )

@@ -107,6 +107,7 @@ class Learner:
             with_reference=self.algorithm.needs_reference,
             with_critic=self.algorithm.needs_critic,
             gradient_checkpointing=learner.gradient_checkpointing,
+            compile_layers=learner.compile,
             seed=seed,
             checkpoint=checkpoint,
             lora_rank=model.lora.rank,
