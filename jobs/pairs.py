@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     print(
         f"{counts.pairs} pairs from {counts.prompts} prompts ({counts.prompts_without_pair} "
         f"without a pair at margin {args.margin}); left out: {counts.without_reward} "
-        f"episodes without a reward, {counts.multi_turn} multi-turn -> {out}"
+        f"episodes without a reward, {counts.multi_turn} multi-turn, {counts.empty} empty "
+        f"-> {out}"
     )
     return 0
 

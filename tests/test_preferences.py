@@ -59,15 +59,17 @@ def test_the_best_completion_is_chosen_over_the_worst_at_least_a_margin_below():
     assert [(p.chosen, p.rejected) for p in more] == [("46", "3"), ("46", "57"), ("46", "6")]
 
 
-def test_repeated_completions_rank_once_and_multi_turn_episodes_are_left_out():
+def test_repeated_completions_rank_once_and_multi_turn_and_empty_episodes_are_left_out():
     episodes = [
         *scored("5+5=", {"10": 1.0, "11": 0.0}),
         *scored("5+5=", {"10": 0.0}, start=2),  # sampled again, scored lower: best kept
         *scored("5+5=", {"(5+5)10": 0.0}, start=3, completion_mask=[1, 0, 1]),
+        # stopped at once: a pair file's completion must not be empty (read_pairs)
+        *scored("5+5=", {"": 0.0}, start=4),
     ]
     pairs, counts = pairs_from_episodes(episodes, margin=1.0, per_prompt=5)
     assert [(p.chosen, p.rejected) for p in pairs] == [("10", "11")]
-    assert counts.multi_turn == 1
+    assert (counts.multi_turn, counts.empty) == (1, 1)
     with pytest.raises(ValueError, match="margin must be > 0"):
         pairs_from_episodes(episodes, margin=0.0)
 

@@ -90,6 +90,9 @@ class PairCounts:
     pairs: int = 0
     without_reward: int = 0
     multi_turn: int = 0
+    empty: int = 0
+    """Episodes with an empty completion (the model stopped at once): a pair file's
+    completion must not be empty (read_pairs)."""
     prompts_without_pair: int = 0
 
 
@@ -99,8 +102,9 @@ def pairs_from_episodes(
     """Returns preference pairs made from episodes, and their counts. Episodes are
     grouped by prompt (text and chat messages); in each group, distinct completions are
     ranked by reward, and the best is chosen over each of the up to `per_prompt` worst
-    whose reward is at least `margin` lower (worst first). Episodes without a reward and
-    multi-turn ones (their completions hold tool output) are left out and counted."""
+    whose reward is at least `margin` lower (worst first). Episodes without a reward,
+    multi-turn ones (their completions hold tool output) and empty ones are left out
+    and counted."""
     if margin <= 0:
         raise ValueError(f"margin must be > 0, got {margin}")
     counts = PairCounts()
@@ -110,6 +114,8 @@ def pairs_from_episodes(
             counts.without_reward += 1
         elif 0 in episode.completion_mask:
             counts.multi_turn += 1
+        elif not episode.completion:
+            counts.empty += 1
         else:
             completions = by_prompt[_prompt_key(episode)]
             best = completions.get(episode.completion)
