@@ -3,6 +3,10 @@ the logprobs move, and the training speed and memory of each.
 
     python benchmarks/learner_dtype.py --device cuda        # on a GPU machine
     python benchmarks/learner_dtype.py --device cpu --sizes tiny
+    python benchmarks/learner_dtype.py --device cuda --sizes 100m 1b --compile  # and compiled
+
+`--compile` adds, for each dtype, the engine with its decoder layers compiled
+(`learner.compile`); its first (warm-up) update pays the compilation, which is not timed.
 
 Random-weight Qwen2 models (tied embeddings) built here: `tiny` (0.5M parameters, the
 embedded model's shape, 8 completion tokens) and `100m` (138M parameters, 256 completion
@@ -95,6 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=list(SIZES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--compile", action="store_true", help="also time compiled layers")
     args = parser.parse_args()
     for name in args.sizes:
         out = tempfile.mkdtemp()
@@ -107,16 +113,27 @@ def main() -> None:
             f"|bf16 - fp32| logprob mean {gap.mean():.2e}, max {gap.max():.2e}, "
             f"ratio outside [0.5, 2] {outside:.2e}"
         )
-        for dtype in ("float32", "bfloat16"):
-            if batch.mask.is_cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            engine = Engine(out, dtype=dtype, device=args.device, micro_batch_size=16)
-            speed = train_speed(engine, batch)
-            memory = torch.cuda.max_memory_allocated() / 2**30 if batch.mask.is_cuda else None
-            shown = f", peak GPU memory {memory:.2f} GiB" if memory is not None else ""
-            print(f"  {dtype:8s} training {speed:10,.0f} tokens/s{shown}", flush=True)
-            del engine
+        for dtype in args.dtypes:
+            for compiled in (False, True) if args.compile else (False,):
+                print_training(out, batch, dtype, compiled, args.device)
+
+
+def print_training(model: str, batch: TokenBatch, dtype: str, compiled: bool, device: str) -> None:
+    """Prints one engine's training tokens/s and, on a GPU, its peak memory."""
+    if batch.mask.is_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(model, dtype=dtype, device=device, micro_batch_size=16, compile_layers=compiled)
+    started = time.perf_counter()
+    speed = train_speed(engine, batch)
+    memory = torch.cuda.max_memory_allocated() / 2**30 if batch.mask.is_cuda else None
+    shown = f", peak GPU memory {memory:.2f} GiB" if memory is not None else ""
+    label = f"{dtype} compiled" if compiled else dtype
+    elapsed = time.perf_counter() - started
+    print(
+        f"  {label:17s} training {speed:10,.0f} tokens/s{shown} ({elapsed:.0f} s in all)",
+        flush=True,
+    )
 
 
 def logprob_gap(model: str, batch: TokenBatch, device: str) -> torch.Tensor:

@@ -314,11 +314,11 @@ def test_compiled_layers_compute_what_plain_layers_do(model_path, device):
     torch.testing.assert_close(logps[1], logps[0])
     for plain_grad, compiled_grad in zip(*grads, strict=True):
         torch.testing.assert_close(compiled_grad, plain_grad, atol=1e-5, rtol=1e-4)
-    losses = [
-        learner.train_step(episodes_for(learner, REWARDS)).policy_loss
-        for learner in (plain, compiled)
-    ]
-    assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-7)
+    steps = [learner.train_step(episodes_for(learner, REWARDS)) for learner in (plain, compiled)]
+    assert steps[1].grad_norm == pytest.approx(steps[0].grad_norm, rel=1e-4)
+    # on-policy, the loss is -mean(advantage x ratio) with ratios of 1 and advantages of
+    # mean 0: about 0, give or take float32's rounding of the ratios (1e-7 each)
+    assert steps[1].policy_loss == pytest.approx(steps[0].policy_loss, abs=1e-6)
 
 
 def test_an_offloaded_optimizer_state_trains_as_if_it_had_stayed(model_path, device):
