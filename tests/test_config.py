@@ -289,6 +289,15 @@ def test_missing_config_file_is_named(tmp_path):
             r"^learner.compile with learner.num_workers 2: compiled layers are not built "
             r"for a sharded learner group \(one learner only\)$",
         ),
+        (
+            ["--learner.borrow_idle_cores", "true", "--ray.placement", "colocated"],
+            r"^learner.borrow_idle_cores with ray.placement colocated: it lends idle rollout "
+            r"CPU cores to one learner on CPU, with the roles disaggregated$",
+        ),
+        (
+            ["--learner.borrow_idle_cores", "true", "--learner.gpus", "1"],
+            r"^learner.borrow_idle_cores with learner.gpus 1: ",
+        ),
         (["--learner.num_workers", "0"], r"^learner.num_workers must be > 0, got 0$"),
         (
             ["--rollout.tensor_parallel_size", "2", "--rollout.gpus_per_worker", "1"],

@@ -15,6 +15,7 @@ from rlray.config import Config
 from rlray.config.schema import Advantage, LossAggregation, PolicyLoss
 from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
 from rlray.core.episode import Episode, EpisodeError
+from rlray.core.idle_cores import CoreLender, IdleCores
 from rlray.core.parity import parity_gap
 from rlray.data.models import resolve_model_path
 from rlray.learner.distributed import decoder_layers
@@ -34,6 +35,7 @@ def make_learner(
     device: str = "cpu",
     checkpoint: str | None = None,
     temperature: float = 1.0,
+    lent_cores: typing.Callable[[], int] | None = None,
     **changes,
 ) -> Learner:
     """Returns a learner of 4-episode steps that samples at `temperature`; `changes` set
@@ -59,6 +61,7 @@ def make_learner(
         seed=0,
         device=device,
         checkpoint=checkpoint,
+        lent_cores=lent_cores,
     )
 
 
@@ -448,6 +451,31 @@ def test_a_step_reports_the_padding_its_learner_computed(model_path, device):
     assert one.learner_tokens_computed == 4 * 47
     assert many.learner_tokens_computed == 47 + 2 * 27 + 8
     assert many.learner_padding_tokens < one.learner_padding_tokens / 2
+
+
+def test_a_learner_trains_on_the_cores_an_idle_rollout_worker_lends(model_path, device, tmp_path):
+    """learner.borrow_idle_cores: each micro-batch runs on the learner's own threads plus
+    one per core its node's rollout workers lend while idle, and makes the same update."""
+    run_id = f"test-{tmp_path.name}"
+    worker = CoreLender(run_id, "rollout-0", cores=1)  # posts itself idle
+    fields = {"algorithm__advantage": "grpo", "learner__micro_batch_tokens": 64}
+    own = torch.get_num_threads()
+    plain = make_learner(model_path, device, **fields)
+    lending = make_learner(model_path, device, lent_cores=IdleCores(run_id).idle, **fields)
+    completions = {"4": 1.0, "46": 0.0, "4" * 20: 0.5, "5" * 40: 0.0}  # 3 micro-batches
+    try:
+        step = lending.train_step(episodes_for(lending, completions))
+        assert torch.get_num_threads() == own + 1
+        assert step.learner_borrowed_tokens == step.learner_tokens_computed > 0
+        plain.train_step(episodes_for(plain, completions))
+        assert_same_policy(plain, lending)
+        with worker.busy():  # generating: its core is its own again
+            step = lending.train_step(episodes_for(lending, completions))
+            assert torch.get_num_threads() == own
+        assert step.learner_borrowed_tokens == 0 < step.learner_tokens_computed
+    finally:
+        torch.set_num_threads(own)
+        IdleCores(run_id).remove()
 
 
 def test_a_group_split_across_steps_is_refused(model_path, device):

@@ -4,6 +4,7 @@ and the client a learner's weight transfer calls rollout workers through.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from rlray.cluster.calls import resolve_episodes, wait_for
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config
 from rlray.core.episode import Episode
+from rlray.core.idle_cores import IdleCores
 from rlray.core.parity import ParitySample
 from rlray.core.stats import StepMetrics
 from rlray.observe.console import send_engine_output_to
@@ -59,12 +61,25 @@ class LearnerActor(_GroupMember):
         world_size: int,
         *args: Any,
         engine_log: str | None = None,
+        borrows_cores: bool = False,
         **kwargs: Any,
     ):
+        """`borrows_cores`: train on this node's idle rollout cores too
+        (learner.borrow_idle_cores)."""
         send_engine_output_to(engine_log)  # torch's output, rlray.observe.console
         self.rank, self.world_size = rank, world_size
         self.learner_args, self.learner_kwargs = args, kwargs
+        self.weights_sent_at = 0.0
+        """When this learner last published or sent weights (time.monotonic)."""
+        self.idle_cores = IdleCores(run_id)
+        if borrows_cores:
+            self.learner_kwargs = {**kwargs, "lent_cores": self._lent_cores}
         self.learner_telemetry = Telemetry(run_id, "learner" if rank == 0 else f"learner-{rank}")
+
+    def _lent_cores(self) -> int:
+        """The cores this node's rollout workers lend now: those idle since the last
+        weights were sent (a worker idle from before loads them and generates next)."""
+        return self.idle_cores.idle(since=self.weights_sent_at)
 
     def setup(self, address: str, port: int, timeout_s: float) -> None:
         """Joins the learner group, then builds the Learner."""
@@ -94,6 +109,7 @@ class LearnerActor(_GroupMember):
         from rlray.weights.packing import pack_weights
 
         weights = pack_weights(self.learner.published_weights(), self.learner.tied_output)
+        self.weights_sent_at = time.monotonic()
         return self.learner.version, weights
 
     def open_weight_transfer(
@@ -123,6 +139,7 @@ class LearnerActor(_GroupMember):
 
     def send_weights(self) -> int:
         """Sends the current weights through the open transfer; returns their version."""
+        self.weights_sent_at = time.monotonic()
         return self.learner.send_weights()
 
     def close_weight_transfer(self) -> None:

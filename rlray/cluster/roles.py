@@ -10,6 +10,7 @@ rlray.cluster.endpoints (apart, so that no other actor imports aiohttp for them)
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from rlray.cluster.telemetry import Telemetry
 from rlray.config import StoreConfig
 from rlray.core.episode import Episode
 from rlray.core.evaluation import EvalEpisodes
+from rlray.core.idle_cores import CoreLender
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult, GenerateStats, ScoreStats, StoreStats
 from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
@@ -43,13 +45,22 @@ class RolloutActor(RolloutWorker):
         *args: Any,
         awaits_weights: bool = True,
         engine_log: str | None = None,
+        lends_cores: bool = False,
         **kwargs: Any,
     ):
+        """`lends_cores`: the learner on this node may use this worker's cores while it
+        does not generate (learner.borrow_idle_cores)."""
         send_engine_output_to(engine_log)  # before vLLM is imported
         super().__init__(*args, **kwargs)
         self.telemetry = Telemetry(self.run_id, self.name)
         self.telemetry.set("rlray_policy_version", self.policy_version)
         self.awaiting_weights = awaits_weights and _restarted()
+        cores = max(1, round(self.rollout.cpus_per_worker))
+        self.lender = CoreLender(self.run_id, self.name, cores) if lends_cores else None
+
+    def _generating(self) -> contextlib.AbstractContextManager:
+        """Holds this worker's cores (none lent) while the block generates."""
+        return self.lender.busy() if self.lender else contextlib.nullcontext()
 
     def _check_weights(self) -> None:
         if self.awaiting_weights:
@@ -57,7 +68,8 @@ class RolloutActor(RolloutWorker):
 
     def generate(self, rows: list[PromptRow], first_prompt_index: int) -> Any:
         self._check_weights()
-        return self._counted(*super().generate(rows, first_prompt_index))
+        with self._generating():
+            return self._counted(*super().generate(rows, first_prompt_index))
 
     def _counted(self, episodes: list[Episode], stats: GenerateStats) -> Any:
         """Returns a generate call's result, its figures counted for the dashboard."""
@@ -70,13 +82,15 @@ class RolloutActor(RolloutWorker):
 
     def complete(self, *args: Any, **kwargs: Any) -> Any:
         self._check_weights()
-        return super().complete(*args, **kwargs)
+        with self._generating():
+            return super().complete(*args, **kwargs)
 
     def eval_episodes(
         self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3
     ) -> tuple[EvalEpisodes, EvalResult]:
         self._check_weights()
-        episodes, result = super().eval_episodes(rows, samples, temperature, examples)
+        with self._generating():
+            episodes, result = super().eval_episodes(rows, samples, temperature, examples)
         if result.accuracy is not None:
             self.telemetry.set("rlray_eval_accuracy", result.accuracy)
         return episodes, result

@@ -36,6 +36,7 @@ from rlray.cluster.roles import (
 from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
+from rlray.core.idle_cores import IdleCores
 from rlray.core.interrupts import deliver, interrupts_held
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
@@ -116,6 +117,7 @@ class Actors:
             ray.kill(handle, no_restart=True)
         if self.placement is not None:
             self.placement.release()
+            IdleCores(self.placement.run_id).remove()  # the board on this node
         _wait_until_names_free([name for name, _ in self.all()], timeout_s=60)
 
 
@@ -352,6 +354,7 @@ def _start_rollout_workers(
             version,
             awaits_weights=awaits_weights,
             engine_log=engine_log(config, name),
+            lends_cores=config.learner.borrow_idle_cores,
         )
         for i, name in enumerate(names)
     ]
@@ -440,6 +443,7 @@ def _start_learners(
                 config.learner,
                 **_learner_kwargs(config, device, checkpoint),
                 engine_log=engine_log(config, name),
+                borrows_cores=config.learner.borrow_idle_cores,
             )
         )
         group.handles.append(handle)

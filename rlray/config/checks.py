@@ -92,6 +92,24 @@ def _compile(config: Config) -> None:
         )
 
 
+def _borrow_idle_cores(config: Config) -> None:
+    learner, rollout = config.learner, config.rollout
+    if not learner.borrow_idle_cores:
+        return
+    where = [
+        f"learner.num_workers {learner.num_workers}" if learner.num_workers > 1 else "",
+        f"learner.gpus {learner.gpus:g}" if learner.gpus > 0 else "",
+        f"rollout.gpus_per_worker {rollout.gpus_per_worker:g}" if rollout.gpus_per_worker else "",
+        "ray.placement colocated" if config.ray.placement == "colocated" else "",
+    ]
+    problem = next((w for w in where if w), None)
+    if problem:
+        raise ConfigError(
+            f"learner.borrow_idle_cores with {problem}: it lends idle rollout CPU cores to "
+            "one learner on CPU, with the roles disaggregated"
+        )
+
+
 def _devices(config: Config) -> None:
     r, learner = config.rollout, config.learner
     if r.tensor_parallel_size > 1 and r.gpus_per_worker != r.tensor_parallel_size:
@@ -330,6 +348,7 @@ def _evaluation(config: Config) -> None:
 RULES: tuple[Callable[[Config], None], ...] = (
     _lora,
     _compile,
+    _borrow_idle_cores,
     _devices,
     _colocation,
     _seed,

@@ -452,6 +452,13 @@ class LearnerConfig:
     """CPUs reserved for each learner actor."""
     gpus: float = non_negative(0.0)
     """GPUs reserved for each learner actor (0 = train on CPU)."""
+    borrow_idle_cores: bool = False
+    """On CPU, disaggregated: the learner also trains on the cores of rollout workers on
+    its node while they wait for weights (their batch done), one more torch thread per
+    idle core, asked before each micro-batch; a worker takes its cores back at the
+    learner's next micro-batch, so give a step several (micro_batch_tokens). At 132M
+    parameters 1.12x the episodes/s, at 12.6M no change (BENCHMARKS.md). One learner
+    on CPU only."""
     offload_optimizer: bool = False
     """With ray.placement colocated on GPUs: the optimizer's state (AdamW's moments,
     twice the trained weights' bytes) goes to host memory during each of the engine's

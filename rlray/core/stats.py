@@ -52,6 +52,8 @@ class StepMetrics:
     """Token positions the learner's passes of this step computed, padding included."""
     learner_padding_tokens: int = 0
     """Of those, the padding: columns of a micro-batch past a row's own tokens."""
+    learner_borrowed_tokens: int = 0
+    """Of those, the ones computed with idle rollout cores lent (learner.borrow_idle_cores)."""
 
 
 def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:

@@ -48,6 +48,9 @@ class RunSummary:
     learner_padding_share: float | None = None
     """Of the token positions the learner computed in this run, the share that was
     padding (None before a step)."""
+    learner_borrowed_share: float | None = None
+    """Of them, the share computed with idle rollout cores lent to the learner
+    (learner.borrow_idle_cores; None before a step)."""
     episodes_stored: int | None = None
     """Every scored episode the store wrote (None if it could not be closed)."""
 
@@ -108,7 +111,7 @@ class RunLog:
         self.progress = Progress(total_steps=config.learner.steps, first_step=self.first_step)
         self.best = BestCheckpoint(plan.run_dir, config.eval.best_metric, self.first_step)
         self.episodes = 0
-        self.learner_tokens = {"computed": 0, "padding": 0}
+        self.learner_tokens = {"computed": 0, "padding": 0, "borrowed": 0}
         self.started = time.perf_counter()
 
     def start(self) -> None:
@@ -133,6 +136,7 @@ class RunLog:
         self.episodes += record.get("episodes", 0)
         self.learner_tokens["computed"] += record.get("learner_tokens_computed", 0)
         self.learner_tokens["padding"] += record.get("learner_padding_tokens", 0)
+        self.learner_tokens["borrowed"] += record.get("learner_borrowed_tokens", 0)
         record["elapsed_seconds"] = time.perf_counter() - self.started
         record["phase_seconds"] = self.clock.lap()
         record["memory_gib"] = gib(self.memory.last_bytes if step else self.memory.sample())
@@ -178,12 +182,14 @@ class RunLog:
                 name: size / GIB for name, size in self.memory.peak_by_process.items()
             },
             run_dir=str(self.plan.run_dir),
-            learner_padding_share=(
-                self.learner_tokens["padding"] / self.learner_tokens["computed"]
-                if self.learner_tokens["computed"]
-                else None
-            ),
+            learner_padding_share=self._learner_share("padding"),
+            learner_borrowed_share=self._learner_share("borrowed"),
         )
+
+    def _learner_share(self, kind: str) -> float | None:
+        """Returns the share of the learner's computed token positions of this kind."""
+        computed = self.learner_tokens["computed"]
+        return self.learner_tokens[kind] / computed if computed else None
 
     def close(self) -> None:
         """Stops watching memory (the trackers close with the report, or at once if the

@@ -213,11 +213,14 @@ class TokenCounts:
 
     computed: int = 0
     padding: int = 0
+    borrowed: int = 0
+    """Of those computed, the ones computed with cores lent (Engine's `lent_cores`)."""
 
-    def add(self, micro: TokenBatch) -> None:
+    def add(self, micro: TokenBatch, lent_cores: int = 0) -> None:
         computed = micro.input_ids.numel()
         self.computed += computed
         self.padding += computed - int(micro.attention_mask.sum())
+        self.borrowed += computed if lent_cores else 0
 
 
 LossFn = Callable[[Outputs, torch.Tensor, MiniBatchTotals], tuple[torch.Tensor, dict[str, float]]]
@@ -254,6 +257,7 @@ class Engine:
         with_critic: bool = False,
         gradient_checkpointing: bool = False,
         compile_layers: bool = False,
+        lent_cores: Callable[[], int] | None = None,
         seed: int = 0,
         checkpoint: str | Path | None = None,
         lora_rank: int = 0,
@@ -269,6 +273,11 @@ class Engine:
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.lent_cores = lent_cores
+        """How many cores this learner may use now beside its own, asked before each
+        micro-batch (rlray.core.idle_cores: its node's idle rollout cores)."""
+        self.own_threads = torch.get_num_threads()
+        self.cores_lent_now = 0
         self.token_counts = TokenCounts()
         """Token positions this learner's passes computed, and the padding among them."""
         self.buckets_by_length = True
@@ -445,7 +454,7 @@ class Engine:
                 rows_fn(self._micro(batch, rows[:1]))
                 continue
             micro = self._micro(batch, micro_rows)
-            self.token_counts.add(micro)
+            self.token_counts.add(micro, self.cores_lent_now)
             outputs = {k: widen(v, columns).to(travel) for k, v in rows_fn(micro).items()}
             own.append((micro_rows.to(travel), outputs))
         result: dict[str, torch.Tensor] = {}
@@ -487,7 +496,17 @@ class Engine:
         ]
 
     def _micro(self, batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
+        self._take_threads()
         return batch.trimmed(rows) if self.buckets_by_length else batch.rows(rows)
+
+    def _take_threads(self) -> None:
+        """Computes the next micro-batch on the learner's own threads plus one for each
+        core lent now (`lent_cores`)."""
+        if self.lent_cores is not None:
+            self.cores_lent_now = self.lent_cores()
+            wanted = self.own_threads + self.cores_lent_now
+            if wanted != torch.get_num_threads():
+                torch.set_num_threads(wanted)
 
     def _reference_mode(self) -> contextlib.AbstractContextManager:
         """With LoRA, the policy without its adapters is the base model, exactly."""
@@ -527,7 +546,7 @@ class Engine:
                     rows = minibatch[:1] if idle else rows
                     micro = self._micro(batch, rows)
                     if not idle:
-                        self.token_counts.add(micro)
+                        self.token_counts.add(micro, self.cores_lent_now)
                     outputs = self.forward(micro, entropy_grad).widened(batch.completion_columns)
                     loss, metrics = loss_fn(outputs, rows, totals)
                     (loss * 0.0 if idle else loss).backward()

@@ -17,6 +17,7 @@ import itertools
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,10 @@ class Learner:
         seed: int,
         device: str = "cpu",
         checkpoint: str | None = None,
+        lent_cores: Callable[[], int] | None = None,
     ):
+        """`lent_cores`: how many idle cores of its node's rollout workers the learner
+        may use now (Engine's; learner.borrow_idle_cores)."""
         model_path = resolve_model_path(model_path)  # the embedded model: built on this node
         self.model_path = model_path
         self.algorithm = Algorithm(algorithm, max_new_tokens)
@@ -108,6 +112,7 @@ class Learner:
             with_critic=self.algorithm.needs_critic,
             gradient_checkpointing=learner.gradient_checkpointing,
             compile_layers=learner.compile,
+            lent_cores=lent_cores,
             seed=seed,
             checkpoint=checkpoint,
             lora_rank=model.lora.rank,
@@ -353,6 +358,7 @@ class Learner:
             completion_length_mean=float(mask.sum(dim=1).mean()),
             learner_tokens_computed=self.engine.token_counts.computed,
             learner_padding_tokens=self.engine.token_counts.padding,
+            learner_borrowed_tokens=self.engine.token_counts.borrowed,
         )
 
     def parity_sample(self) -> ParitySample:
