@@ -421,7 +421,9 @@ class LearnerConfig:
     """Above 0, a forward/backward holds at most this many tokens, padding included
     (rows x its longest prompt + longest completion), instead of micro_batch_size
     episodes; a longer episode runs alone. Either way a micro-batch holds episodes of
-    like lengths and computes no column that all of them pad."""
+    like lengths and computes no column that all of them pad. On the CPU, micro-batches
+    of 2200 tokens trained a 12.6M model's step of 64 x 272 tokens 1.7x as fast as one
+    of 64 episodes (BENCHMARKS.md)."""
     lr: float = positive(5e-5)
     """AdamW learning rate of the policy."""
     critic_lr: float = positive(1e-4)
