@@ -19,6 +19,7 @@ import pytest
 from rlray.cluster.telemetry import METRICS
 from rlray.core.checkpoints import checkpoint_version
 from rlray.core.evaluation import metric_names
+from rlray.core.idle_cores import board_folder
 from tests.jobs_helper import (
     REPO,
     SHORT_RUN,
@@ -48,7 +49,10 @@ def five_step_runs(job_env, tmp_path_factory):
     weight transfer (gloo), run at the same time (their timings differ, their steps must
     not), that is then resumed to step 5 with 1 learner and the object store."""
     root = tmp_path_factory.mktemp("runs")
-    runs = {"a": ["--learner.steps", "5"], "resumed": ["--learner.steps", "3"]}
+    # The learner trains on the rollout worker's core while it waits for weights
+    # (learner.borrow_idle_cores): thread counts change no step beyond float rounding.
+    runs = {"a": ["--learner.steps", "5", "--learner.borrow_idle_cores", "true"]}
+    runs["resumed"] = ["--learner.steps", "3"]
     runs["resumed"] += ["--learner.num_workers", "2", "--rollout.weight_sync", "gloo"]
     # In-flight updates on: a colocated engine never runs while its learner trains, so
     # they change nothing (RolloutConfig.in_flight_updates).
@@ -256,6 +260,12 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
     padding = sum(r["learner_padding_tokens"] for r in records[1:])
     assert computed > padding > 0  # answers of 1 to 3 digits pad a little
     assert summary["learner_padding_share"] == pytest.approx(padding / computed)
+    # Tokens computed on the rollout worker's lent core: as many as the worker's idle
+    # spells allowed, and the run's board of idle cores gone with the run.
+    borrowed = sum(r["learner_borrowed_tokens"] for r in records[1:])
+    assert 0 <= borrowed <= computed
+    assert summary["learner_borrowed_share"] == pytest.approx(borrowed / computed)
+    assert not board_folder(stored_episodes(root / "a")[0].run_id).exists()
     assert re.search(r"^time: \w+ \d+ s \(\d+%\)", done["a"].stdout, re.M), done["a"].stdout
     assert re.search(r"^memory: peak \d+\.\d\d GiB", done["a"].stdout, re.M)
 
