@@ -46,6 +46,12 @@ from rlray.data.prompts import train_prompts
 from rlray.rollout.worker import vllm_env
 
 TOKEN = "bench"
+PATHS = {  # name: (client, agent processes)
+    "direct": ("ray", None),
+    "endpoint": ("openai", "many"),
+    "endpoint-1-process": ("openai", "one"),
+    "endpoint-httpx": ("httpx", "many"),
+}
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -159,6 +165,9 @@ def main() -> int:
     parser.add_argument(
         "--processes", type=int, default=4, help="agent processes, agents / processes each"
     )
+    parser.add_argument(
+        "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="direct is always run"
+    )
     args = parser.parse_args()
     rollout_config = RolloutConfig(in_flight_updates=True)  # as agent.enabled starts it
     model = resolve_model_path("builtin:tiny-arithmetic")
@@ -204,12 +213,7 @@ def main() -> int:
     max_tokens = rollout_config.max_new_tokens
     context = multiprocessing.get_context("spawn")  # the agents' processes: no Ray in them
     pools = {"many": context.Pool(args.processes), "one": context.Pool(1)}
-    paths = {  # name: (client, agent processes)
-        "direct": ("ray", None),
-        "endpoint": ("openai", "many"),
-        "endpoint-1-process": ("openai", "one"),
-        "endpoint-httpx": ("httpx", "many"),
-    }
+    paths = {name: PATHS[name] for name in PATHS if name == "direct" or name in args.paths}
     direct(rollout, prompts, args.agents, 2, max_tokens)  # warm every path up
     for client, pool in list(paths.values())[1:]:
         through_endpoint(endpoint, url, pools[pool], args.agents, 2, max_tokens, client)

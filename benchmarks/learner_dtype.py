@@ -4,9 +4,12 @@ the logprobs move, and the training speed and memory of each.
     python benchmarks/learner_dtype.py --device cuda        # on a GPU machine
     python benchmarks/learner_dtype.py --device cpu --sizes tiny
     python benchmarks/learner_dtype.py --device cuda --sizes 100m 1b --compile  # and compiled
+    python benchmarks/learner_dtype.py --dtypes bfloat16 --micro-batch-tokens 0 2048 18432
 
 `--compile` adds, for each dtype, the engine with its decoder layers compiled
 (`learner.compile`); its first (warm-up) update pays the compilation, which is not timed.
+`--micro-batch-tokens` times each engine with micro-batches of at most that many tokens
+(`learner.micro_batch_tokens`; 0, the default, is micro-batches of 16 sequences).
 
 Random-weight Qwen2 models (tied embeddings) built here: `tiny` (0.5M parameters, the
 embedded model's shape, 8 completion tokens) and `100m` (138M parameters, 256 completion
@@ -101,6 +104,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["tiny", "100m"], choices=list(SIZES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--compile", action="store_true", help="also time compiled layers")
+    parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[0])
     args = parser.parse_args()
     for name in args.sizes:
         out = tempfile.mkdtemp()
@@ -115,23 +119,35 @@ def main() -> None:
         )
         for dtype in args.dtypes:
             for compiled in (False, True) if args.compile else (False,):
-                print_training(out, batch, dtype, compiled, args.device)
+                for budget in args.micro_batch_tokens:
+                    print_training(out, batch, dtype, compiled, args.device, budget)
 
 
-def print_training(model: str, batch: TokenBatch, dtype: str, compiled: bool, device: str) -> None:
-    """Prints one engine's training tokens/s and, on a GPU, its peak memory."""
+def print_training(
+    model: str, batch: TokenBatch, dtype: str, compiled: bool, device: str, budget: int = 0
+) -> None:
+    """Prints one engine's training tokens/s and, on a GPU, its peak memory, in
+    micro-batches of at most `budget` tokens, or of 16 sequences."""
     if batch.mask.is_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(model, dtype=dtype, device=device, micro_batch_size=16, compile_layers=compiled)
+    engine = Engine(
+        model,
+        dtype=dtype,
+        device=device,
+        micro_batch_size=SEQUENCES if budget else 16,  # a budget: it alone binds
+        micro_batch_tokens=budget,
+        compile_layers=compiled,
+    )
     started = time.perf_counter()
     speed = train_speed(engine, batch)
     memory = torch.cuda.max_memory_allocated() / 2**30 if batch.mask.is_cuda else None
     shown = f", peak GPU memory {memory:.2f} GiB" if memory is not None else ""
     label = f"{dtype} compiled" if compiled else dtype
+    label += f", {budget} tokens" if budget else ", 16 sequences"
     elapsed = time.perf_counter() - started
     print(
-        f"  {label:17s} training {speed:10,.0f} tokens/s{shown} ({elapsed:.0f} s in all)",
+        f"  {label:34s} training {speed:10,.0f} tokens/s{shown} ({elapsed:.0f} s in all)",
         flush=True,
     )
 

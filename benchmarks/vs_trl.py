@@ -24,9 +24,10 @@ shared pages counted once), with the ratios of the means.
 0.5M, 10M and 100M parameters, every completion exactly --lengths tokens (end-of-sequence
 masked until then), one optimizer update per step; rlray with 1 and 2 rollout workers
 against TRL. The first step is warm-up and is not counted. rlray's learner splits each
-step into micro-batches of at most --micro-batch-tokens tokens (learner.micro_batch_tokens;
-0: 64 episodes each): on the CPU a micro-batch of a few thousand tokens trains faster
-than one of 64 long episodes (benchmarks/micro_batches.py).
+step into micro-batches of at most 64 episodes and, with --micro-batch-tokens N, N tokens
+(learner.micro_batch_tokens; the job's default, 2048 on CPU, without it): on the CPU a
+micro-batch of a few thousand tokens trains faster than one of 64 long episodes
+(benchmarks/micro_batches.py).
 
 Runs whose result exists under --out are read, not re-run.
 """
@@ -365,6 +366,11 @@ def random_model(size: str, length: int) -> tuple[str, int]:
 
 def throughput_shape(length: int, episodes: int, args: argparse.Namespace) -> list[str]:
     """The job arguments of a throughput run: one update per step on every episode."""
+    budget = (
+        []
+        if args.micro_batch_tokens is None
+        else ["--learner.micro_batch_tokens", str(args.micro_batch_tokens)]
+    )
     return [
         "--rollout.max_new_tokens", str(length),
         "--rollout.min_new_tokens", str(length),
@@ -373,7 +379,7 @@ def throughput_shape(length: int, episodes: int, args: argparse.Namespace) -> li
         "--learner.episodes_per_step", str(episodes),
         "--learner.minibatch_size", str(episodes),
         "--learner.micro_batch_size", str(min(episodes, 64)),
-        "--learner.micro_batch_tokens", str(args.micro_batch_tokens),
+        *budget,
         "--learner.epochs", "1",
         "--learner.steps", str(args.throughput_steps),
         "--learner.eval_every", "1000000",
@@ -443,7 +449,9 @@ def main() -> None:
         help="also run rlray colocated (ray.placement colocated: one process, taking turns)",
     )
     parser.add_argument("--throughput-steps", type=int, default=3)
-    parser.add_argument("--micro-batch-tokens", type=int, default=2200)
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default: the job's)"
+    )
     args = parser.parse_args()
     learning(args) if args.mode == "learning" else throughput(args)
 

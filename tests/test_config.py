@@ -21,6 +21,7 @@ from rlray.config import (
     weight_sync,
 )
 from rlray.config.command_line import build_parser, parse_command_line
+from rlray.config.schema import CPU_MICRO_BATCH_TOKENS
 
 
 def settable_fields(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple]:
@@ -71,6 +72,18 @@ def test_model_shortcut_and_dashed_names():
     command = parse_command_line(["--learner.micro-batch-size=8", "--run-dir", "out"])
     assert command.config.learner.micro_batch_size == 8
     assert command.config.run_dir == "out"
+
+
+def test_the_micro_batch_token_budget_defaults_by_the_learners_device():
+    learner = parse_command_line([]).config.learner
+    assert learner.micro_batch_tokens is None
+    assert learner.micro_batch_token_budget == CPU_MICRO_BATCH_TOKENS
+    learner = parse_command_line(["--learner.gpus", "1"]).config.learner
+    assert learner.micro_batch_token_budget == 0  # micro_batch_size episodes alone
+    for given in ("0", "512"):
+        for gpus in ("0", "1"):
+            command = ["--learner.micro_batch_tokens", given, "--learner.gpus", gpus]
+            assert parse_command_line(command).config.learner.micro_batch_token_budget == int(given)
 
 
 def test_lists_and_mappings_from_command_line_are_yaml():

@@ -166,3 +166,12 @@ def test_a_token_budget_bounds_each_micro_batch_with_its_padding():
     # The padded size counts the longest prompt and the longest completion together.
     assert dd.token_budget_batches([0, 1], [9, 1], [1, 9], 20) == [[0], [1]]
     assert dd.token_budget_batches([], prompt, completion, 16) == []
+
+
+def test_a_micro_batch_holds_at_most_max_rows_within_its_token_budget():
+    prompt, completion = [1] * 7, [1] * 7  # 2 tokens a row: 14 padded in all
+    rows = list(range(7))
+    assert dd.token_budget_batches(rows, prompt, completion, 100) == [rows]
+    assert dd.token_budget_batches(rows, prompt, completion, 100, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    # The tighter bound wins: 3 rows of 2 tokens are 6, over a budget of 4.
+    assert dd.token_budget_batches(rows, prompt, completion, 4, 3) == [[0, 1], [2, 3], [4, 5], [6]]

@@ -45,6 +45,7 @@ def make_learner(
     config.learner.lr = 1e-5
     config.learner.episodes_per_step = 4
     config.learner.minibatch_size = config.learner.micro_batch_size = 4
+    config.learner.micro_batch_tokens = 0  # micro-batches of episodes; budget tests set one
     config.learner.epochs = 2  # two updates a step (the default makes one)
     config.algorithm.kl_coef = 0.0  # no reference unless a test asks for one
     for dotted, value in changes.items():

@@ -36,6 +36,7 @@ def make_learner(checkpoint: str | None = None) -> Learner:
     config.learner.episodes_per_step = 12
     config.learner.minibatch_size = 6  # two updates per epoch
     config.learner.micro_batch_size = 2  # several micro-batches per learner
+    config.learner.micro_batch_tokens = 0  # of micro_batch_size episodes
     config.learner.max_grad_norm = 0.5
     config.algorithm.advantage = "gae"
     config.algorithm.kl_mode = "loss"

@@ -42,6 +42,7 @@ def make_learner(
     config.learner.lr = 1e-3
     config.learner.episodes_per_step = 4
     config.learner.minibatch_size = config.learner.micro_batch_size = 4
+    config.learner.micro_batch_tokens = 0
     config.algorithm.kl_coef = kl_coef
     for name, value in learner_fields.items():
         setattr(config.learner, name, value)

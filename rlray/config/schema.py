@@ -29,6 +29,8 @@ BUILTIN_CALCULATOR = "builtin:calculator"
 # The long-tail task (rlray.data.tasks.COUNTDOWN; examples/countdown.yaml).
 BUILTIN_COUNTDOWN_MODEL = "builtin:tiny-countdown"
 BUILTIN_COUNTDOWN = "builtin:countdown"
+# learner.micro_batch_tokens' default on CPU: the micro-batch size that fits the caches.
+CPU_MICRO_BATCH_TOKENS = 2048
 
 # Every set of choices is defined once, here; --help lists them and parsing checks them.
 Dtype = Literal["float32", "bfloat16"]
@@ -416,14 +418,17 @@ class LearnerConfig:
     """Episodes per optimizer update; 0: all of a step's episodes (one update per
     epoch)."""
     micro_batch_size: int = positive(64)
-    """Episodes per forward/backward; gradients accumulate over a mini-batch."""
-    micro_batch_tokens: int = non_negative(0)
-    """Above 0, a forward/backward holds at most this many tokens, padding included
-    (rows x its longest prompt + longest completion), instead of micro_batch_size
-    episodes; a longer episode runs alone. Either way a micro-batch holds episodes of
-    like lengths and computes no column that all of them pad. On the CPU, micro-batches
-    of 2200 tokens trained a 12.6M model's step of 64 x 272 tokens 1.7x as fast as one
-    of 64 episodes (BENCHMARKS.md)."""
+    """Episodes per forward/backward at most; gradients accumulate over a mini-batch."""
+    micro_batch_tokens: int | None = non_negative(None)
+    """Above 0, a forward/backward also holds at most this many tokens, padding included
+    (rows x its longest prompt + longest completion); a longer episode runs alone. 0:
+    micro_batch_size episodes alone bound it. null: 2048 on CPU, 0 on GPUs (chosen by
+    measurement, BENCHMARKS.md "Default job": on CPU, micro-batches of about 2000 tokens
+    trained a 12.6M model's step of 64 x 272 tokens 1.7x as fast as one of 64 episodes,
+    and changed nothing on the default task, whose 64 episodes are fewer tokens; on an
+    H100 they trained a 138M model at half the speed of 64 such episodes at once).
+    Either way a micro-batch holds episodes of like lengths and computes no column that
+    all of them pad."""
     lr: float = positive(5e-5)
     """AdamW learning rate of the policy."""
     critic_lr: float = positive(1e-4)
@@ -480,6 +485,14 @@ class LearnerConfig:
     def minibatch_episodes(self) -> int:
         """Episodes per optimizer update: minibatch_size, or where it is 0 the step's."""
         return self.minibatch_size or self.episodes_per_step
+
+    @property
+    def micro_batch_token_budget(self) -> int:
+        """Tokens a micro-batch may hold (0: no bound but micro_batch_size):
+        micro_batch_tokens, or where it is null the learner's device's default."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return 0 if self.gpus > 0 else CPU_MICRO_BATCH_TOKENS
 
 
 @dataclass

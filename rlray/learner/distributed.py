@@ -163,18 +163,24 @@ def longest_first(
 
 
 def token_budget_batches(
-    rows: Sequence[int], prompt: Sequence[int], completion: Sequence[int], budget: int
+    rows: Sequence[int],
+    prompt: Sequence[int],
+    completion: Sequence[int],
+    budget: int,
+    max_rows: int | None = None,
 ) -> list[list[int]]:
     """Returns `rows` (in their order) in consecutive micro-batches whose padded size,
-    rows x (longest prompt + longest completion), is at most `budget` tokens; a row
-    longer than the budget is a micro-batch of its own."""
+    rows x (longest prompt + longest completion), is at most `budget` tokens, and of at
+    most `max_rows` rows if given; a row longer than the budget is a micro-batch of its
+    own."""
     batches: list[list[int]] = []
     current: list[int] = []
     widest_prompt = widest_completion = 0
     for row in rows:
         grown_prompt = max(widest_prompt, prompt[row])
         grown_completion = max(widest_completion, completion[row])
-        if current and (len(current) + 1) * (grown_prompt + grown_completion) > budget:
+        padded = (len(current) + 1) * (grown_prompt + grown_completion)
+        if current and (padded > budget or len(current) == max_rows):
             batches.append(current)
             current, grown_prompt, grown_completion = [], prompt[row], completion[row]
         current.append(row)

@@ -16,7 +16,7 @@ code runs with a group of one (nothing sharded, every row its own).
 
 Memory: logits are computed only at the completion positions (prompts are left-padded
 so that every completion starts at the same column and `logits_to_keep` cuts the rest),
-for at most `micro_batch_size` rows (or `micro_batch_tokens` padded tokens) at a time;
+for at most `micro_batch_size` rows (and `micro_batch_tokens` padded tokens) at a time;
 the entropy graph is built only when the entropy enters the loss.
 
 Padding: a micro-batch holds rows of like lengths (longest first) and runs on its own
@@ -471,7 +471,8 @@ class Engine:
         all of them outside one), longest first, in as many micro-batches as the
         busiest learner runs: None where this learner has no row left, as FSDP2 needs
         every learner to run the same forward and backward passes. A micro-batch holds
-        micro_batch_tokens padded tokens at most, or else micro_batch_size rows."""
+        micro_batch_size rows at most, and micro_batch_tokens padded tokens at most if
+        set."""
         prompt_columns = batch.input_ids.shape[1] - batch.completion_columns
         present = batch.attention_mask[rows]
         prompt = present[:, :prompt_columns].sum(dim=1).tolist()
@@ -482,7 +483,9 @@ class Engine:
             owned = [dd.longest_first(o, prompt, completion) for o in owned]
         if self.micro_batch_tokens:
             split = [
-                dd.token_budget_batches(o, prompt, completion, self.micro_batch_tokens)
+                dd.token_budget_batches(
+                    o, prompt, completion, self.micro_batch_tokens, self.micro_batch_size
+                )
                 for o in owned
             ]
             count = max(1, max(len(batches) for batches in split))

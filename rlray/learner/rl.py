@@ -106,7 +106,7 @@ class Learner:
             critic_lr=learner.critic_lr,
             max_grad_norm=learner.max_grad_norm,
             micro_batch_size=learner.micro_batch_size,
-            micro_batch_tokens=learner.micro_batch_tokens,
+            micro_batch_tokens=learner.micro_batch_token_budget,
             temperature=temperature,
             with_reference=self.algorithm.needs_reference,
             with_critic=self.algorithm.needs_critic,
