@@ -334,8 +334,9 @@ def test_the_ingestion_endpoint_comes_back_and_a_retry_stores_nothing_twice(syst
     assert post(url, posted)[:2] == (200, {**ANSWER, "duplicates": 2})
     assert actors.restart_counts()["ingest"] == 1
     # The buffer restarts empty and refuses calls until restored (the driver's job).
+    killed = ray.get(actors.buffer.__ray_call__.remote(lambda _: os.getpid()))
     ray.kill(actors.buffer, no_restart=False)
-    wait_until_restarted(actors.buffer, "buffer")
+    wait_until_restarted(actors.buffer, "buffer", killed)
     fresh = [{**posted[0], "episode_id": "after-buffer-restart"}]
     status, answer, headers = post(url, fresh)
     assert (status, headers["Retry-After"]) == (503, "5"), answer
@@ -350,14 +351,17 @@ def test_the_ingestion_endpoint_comes_back_and_a_retry_stores_nothing_twice(syst
 ANSWER = {"accepted": 0, "duplicates": 0, "scored": 0, "queued_for_training": 0}
 
 
-def wait_until_restarted(handle, name: str, timeout_s: float = 120) -> None:
-    """Waits until an actor Ray is restarting answers (calls made meanwhile fail with
-    "temporarily unavailable"), as the driver's recovery does."""
+def wait_until_restarted(handle, name: str, killed_pid: int, timeout_s: float = 120) -> None:
+    """Waits until an actor Ray is restarting answers from a process other than the
+    killed one (ray.kill returns before that one is gone, and calls made meanwhile fail
+    with "temporarily unavailable"), as the driver's recovery does."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            wait_for(handle.__ray_ready__.remote(), name, "restart", timeout_s)
-            return
+            pid = wait_for(handle.__ray_call__.remote(lambda _: os.getpid()), name, "restart", 30)
+            if pid != killed_pid:
+                return
+            assert time.monotonic() < deadline, f"{name} was not restarted"
         except ActorFailure as failure:
             if not failure.restarting or time.monotonic() > deadline:
                 raise
