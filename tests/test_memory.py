@@ -144,6 +144,49 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
     assert vllm_env(config.rollout)["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
+# Fills the heap with 256 blocks of 96 KiB (below glibc's mmap threshold), frees all
+# but the last, which keeps the heap's top in place, then calls the trimmer.
+TRIM_FREED_HEAP = """
+import ctypes, ctypes.util, sys
+from rlray.rollout.worker import heap_trimmer
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype = ctypes.c_void_p
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+blocks = [libc.malloc(96 << 10) for _ in range(256)]
+for block in blocks:
+    ctypes.memset(block, 1, 96 << 10)
+for block in blocks[:-1]:
+    libc.free(ctypes.c_void_p(block))
+before = rss()
+heap_trimmer(sys.argv[1])()
+print(before - rss())
+"""
+
+
+def test_a_small_models_rollout_worker_gives_its_free_heap_back(tmp_path):
+    from rlray.config import Config
+    from rlray.data.models import resolve_model_path
+    from rlray.rollout.worker import KEEP_HEAP_FROM_WEIGHT_BYTES, heap_trimmer
+
+    small = resolve_model_path(Config().model.path)
+    assert heap_trimmer(small) is not None
+    # A model whose weights a reload would reuse the heap for keeps it (a sparse file of
+    # that size), as does one named on the hub, whose size is not read here.
+    large = tmp_path / "large"
+    large.mkdir()
+    with open(large / "model.safetensors", "wb") as weights:
+        weights.truncate(KEEP_HEAP_FROM_WEIGHT_BYTES)
+    assert heap_trimmer(str(large)) is None
+    assert heap_trimmer("Qwen/Qwen2.5-0.5B") is None
+    # The trim itself: ~24 MiB freed inside the heap go back to the system.
+    done = subprocess.run(
+        [sys.executable, "-c", TRIM_FREED_HEAP, small], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 16 * MIB
+
+
 def test_the_driver_and_small_actors_do_not_import_torch(tmp_path):
     # Every actor process imports its Ray face (rlray.cluster) (Ray finds actor classes by module);
     # torch and transformers would add ~300 MB of private memory to each of them. The

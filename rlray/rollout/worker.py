@@ -5,12 +5,15 @@ A plain class: tests construct it in-process; rlray.cluster.roles wraps it in a 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlray.config import ModelConfig, RolloutConfig
@@ -50,6 +53,33 @@ VLLM_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(2**30),
     "MALLOC_TRIM_THRESHOLD_": str(2**36),
 }
+
+
+# The heap VLLM_ENV keeps is worth keeping where a reload reuses it: as much memory as the
+# weights. Below this size of weights, what a rollout batch leaves there is mostly its own
+# garbage (50-70 MiB on the 2 MiB default model, after a few dozen batches), and it is given
+# back after each batch (malloc_trim: ~3 ms; benchmarks/rollout_memory.py, BENCHMARKS.md).
+KEEP_HEAP_FROM_WEIGHT_BYTES = 64 * 2**20
+
+
+def weight_file_bytes(model_path: str) -> int | None:
+    """Returns the size of a local model directory's weight files; None for a hub name."""
+    directory = Path(model_path)
+    if not directory.is_dir():
+        return None
+    files = [*directory.glob("*.safetensors"), *directory.glob("pytorch_model*.bin")]
+    return sum(f.stat().st_size for f in files)
+
+
+def heap_trimmer(model_path: str) -> Callable[[], object] | None:
+    """Returns glibc's malloc_trim, bound to give all free heap back, where a model of
+    this size should not keep its heap (KEEP_HEAP_FROM_WEIGHT_BYTES); None where it
+    should, or where the C library has no malloc_trim (not glibc)."""
+    size = weight_file_bytes(model_path)
+    if size is None or size >= KEEP_HEAP_FROM_WEIGHT_BYTES:
+        return None
+    trim = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    return None if trim is None else lambda: trim(0)
 
 
 def _exact_match_accuracy(greedy: list[Episode], rows: list[PromptRow]) -> float | None:
@@ -228,6 +258,7 @@ class RolloutWorker:
             load_environment(rollout.environment) if rollout.environment else None
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self.trim_heap = heap_trimmer(model_path)
         # Every call goes through the loop: with in_flight_updates the actor runs a
         # weight load (or a second batch) while a generate call is under way.
         self.loop = EngineLoop(self.llm.llm_engine, policy_version)
@@ -262,11 +293,25 @@ class RolloutWorker:
         prompt = {"prompt_token_ids": [self.tokenizer.eos_token_id or 0]}
         self.loop.generate([("warm-up", prompt, SamplingParams(max_tokens=1, logprobs=0))])
 
+    def release_batch_garbage(self) -> None:
+        """Gives the heap's free memory back to the system after a batch, where this
+        model's size says to (heap_trimmer)."""
+        if self.trim_heap is not None:
+            self.trim_heap()
+
     def generate(
         self, rows: list[PromptRow], first_prompt_index: int
     ) -> tuple[list[Episode], GenerateStats]:
         """Returns samples_per_prompt episodes per prompt, tagged with this worker's
         policy version, and a small stats record."""
+        try:
+            return self._generate(rows, first_prompt_index)
+        finally:
+            self.release_batch_garbage()
+
+    def _generate(
+        self, rows: list[PromptRow], first_prompt_index: int
+    ) -> tuple[list[Episode], GenerateStats]:
         if self.make_environment is not None:
             return self._generate_turns(rows, first_prompt_index)
         started = time.perf_counter()
@@ -610,6 +655,14 @@ class RolloutWorker:
         Sampling seeds depend on the run seed, the prompt and the sample only, so that
         every model evaluated with one seed draws with the same random numbers: their
         differences are the models', not the draws'."""
+        try:
+            return self._eval_episodes(rows, samples, temperature, examples)
+        finally:
+            self.release_batch_garbage()
+
+    def _eval_episodes(
+        self, rows: list[PromptRow], samples: int, temperature: float, examples: int
+    ) -> tuple[EvalEpisodes, EvalResult]:
         first = -len(rows)
         if self.make_environment is not None:
 
