@@ -228,10 +228,12 @@ def embedded_rollout(rollout_host):
         yield host
 
 
-def _run(host, rows: list[PromptRow], stop: list[str], stop_token_ids: list[int]):
+def _run(host, rows: list[PromptRow], stop: list[str], stop_token_ids: list[int], tokens: int):
     """Runs in the host process: generate and evaluate with these stop settings."""
     worker = host.rollout
-    worker.rollout = dataclasses.replace(ROLLOUT, stop=stop, stop_token_ids=stop_token_ids)
+    worker.rollout = dataclasses.replace(
+        ROLLOUT, stop=stop, stop_token_ids=stop_token_ids, max_new_tokens=tokens
+    )
     try:
         episodes, _ = worker.generate(rows, 0)
         return episodes, worker.evaluate(rows)
@@ -239,10 +241,10 @@ def _run(host, rows: list[PromptRow], stop: list[str], stop_token_ids: list[int]
         worker.rollout = ROLLOUT
 
 
-def _generate(host, rows, stop=(), stop_token_ids=()):
+def _generate(host, rows, stop=(), stop_token_ids=(), tokens=ROLLOUT.max_new_tokens):
     import ray
 
-    call = host.__ray_call__.remote(_run, rows, list(stop), list(stop_token_ids))
+    call = host.__ray_call__.remote(_run, rows, list(stop), list(stop_token_ids), tokens)
     return ray.get(call, timeout=300)
 
 
@@ -275,3 +277,23 @@ def test_stop_token_ids_and_stop_strings_reach_vllm(embedded_rollout, tokenizer)
     assert [e.completion for e in episodes] == [""] * len(episodes)
     assert [len(e.completion_token_ids) for e in episodes] == [1] * len(episodes)
     assert [completion for _, completion, _ in evaluation.examples] == ["", ""]
+
+
+def test_a_completion_decoded_at_its_end_reads_as_vllms_detokenizer_made_it(
+    embedded_rollout, tokenizer
+):
+    # Without stop strings vLLM does not detokenize (RolloutWorker.detokenizes); a stop
+    # string that never occurs turns its detokenizer on and changes nothing else.
+    rows = TEXT_ROWS + CHAT_ROWS
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    reasons = set()
+    for settings in ({}, {"tokens": 2}, {"stop_token_ids": digits[1:]}):
+        decoded, _ = _generate(embedded_rollout, rows, **settings)
+        detokenized, _ = _generate(embedded_rollout, rows, stop=["never seen"], **settings)
+        assert [e.completion_token_ids for e in decoded] == [
+            e.completion_token_ids for e in detokenized
+        ]
+        assert [e.completion for e in decoded] == [e.completion for e in detokenized]
+        assert all(e.completion for e in decoded if len(e.completion_token_ids) > 1)
+        reasons |= {e.finish_reason for e in decoded}
+    assert reasons == {"stop", "length"}  # ended by a stop token, and cut

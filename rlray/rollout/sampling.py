@@ -4,6 +4,7 @@ sampled call gives back."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlray.config import RolloutConfig
 
@@ -15,6 +16,16 @@ def stop_settings(rollout: RolloutConfig) -> dict[str, list]:
     """Returns the SamplingParams arguments of the stop settings (rollout.stop,
     rollout.stop_token_ids): the same for generation, evaluation and every turn."""
     return {"stop": list(rollout.stop), "stop_token_ids": list(rollout.stop_token_ids)}
+
+
+def request_params(**settings: Any) -> Any:
+    """Returns vLLM's SamplingParams of `settings` for one request, which alone uses them:
+    vLLM then copies them shallowly where it would deep-copy them for every request (as
+    its own OpenAI server asks; the deep copies were 7% of the default job's generation).
+    Called in rollout workers only, once vllm_env is set."""
+    from vllm.sampling_params import SamplingParams  # not vllm's lazy top-level name
+
+    return SamplingParams(**settings, skip_clone=True)
 
 
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
