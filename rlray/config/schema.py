@@ -196,7 +196,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings (vLLM's SamplingParams.stop), in generation and evaluation: a
     completion ends where one appears. Its text leaves the stop string out; its token ids
-    keep every sampled token, so the learner trains on what was sampled."""
+    keep every sampled token, so the learner trains on what was sampled. vLLM detokenizes
+    at every step to find them; without any, a completion's text is decoded once, at its
+    end (faster: BENCHMARKS.md, "Rollout throughput")."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a completion besides end-of-sequence (vLLM's
     SamplingParams.stop_token_ids), kept as its last token, e.g. a chat model's

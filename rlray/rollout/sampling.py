@@ -20,9 +20,9 @@ def stop_settings(rollout: RolloutConfig) -> dict[str, list]:
 
 def request_params(**settings: Any) -> Any:
     """Returns vLLM's SamplingParams of `settings` for one request, which alone uses them:
-    vLLM then copies them shallowly where it would deep-copy them for every request (as
-    its own OpenAI server asks; the deep copies were 7% of the default job's generation).
-    Called in rollout workers only, once vllm_env is set."""
+    vLLM then copies them shallowly where it would deep-copy them for every request, as
+    its own OpenAI server asks (BENCHMARKS.md, "Rollout throughput"). Called in rollout
+    workers only, once vllm_env is set."""
     from vllm.sampling_params import SamplingParams  # not vllm's lazy top-level name
 
     return SamplingParams(**settings, skip_clone=True)

@@ -504,8 +504,8 @@ class RolloutWorker:
     def detokenizes(self) -> bool:
         """Whether vLLM detokenizes a batch's requests as they run: stop strings need it.
         Without them each completion's text is decoded once, when it ends
-        (_completion_text); vLLM's detokenizing, with its logprobs' token texts, was 13%
-        of the default job's generation (measured)."""
+        (_completion_text), which saves vLLM's detokenizing at every step, its logprobs'
+        token texts included (BENCHMARKS.md, "Rollout throughput")."""
         return bool(self.rollout.stop)
 
     def _completion_text(self, completion: Any, detokenized: bool) -> str:
