@@ -241,7 +241,9 @@ def carry_trajectories_across_a_load(host, old, new) -> dict:
     worker = host.rollout
     session = worker.loop.session
     partial = PartialTrajectories(
-        lambda: TrajectoryRunner(session(), worker._encode, worker._turns(1.0), TURN_LIMITS)
+        lambda: TrajectoryRunner(
+            session(), worker._encode, worker._turn_text, worker._turns(1.0), TURN_LIMITS
+        )
     )
     worker.load_weights(0, old)
     rows = turn_rows({3}, 6)

@@ -121,12 +121,13 @@ def call_maybe_async(method: Callable[..., Any], *args: Any) -> Any:
 def run_trajectories(
     engine: Session,
     encode: Callable[[str], list[int]],
+    text: Callable[[Any], str],
     trajectories: list[Trajectory],
     sampling: Callable[[Trajectory, int], Any],
     limits: TurnLimits,
 ) -> None:
     """Runs every trajectory to its end, filling in its completion (TrajectoryRunner)."""
-    runner = TrajectoryRunner(engine, encode, sampling, limits, threads=len(trajectories))
+    runner = TrajectoryRunner(engine, encode, text, sampling, limits, threads=len(trajectories))
     try:
         runner.start(trajectories)
         runner.run()
@@ -138,7 +139,8 @@ class TrajectoryRunner:
     """Runs trajectories turn by turn on a session of the worker's vLLM engine.
 
     `engine` is the session (add_request, step, abort_request; rlray.rollout.engine_loop),
-    `encode` the tokenizer's text -> ids without special tokens (for observations), and
+    `encode` the tokenizer's text -> ids without special tokens (for observations),
+    `text(completion)` a finished turn's text (as vLLM's detokenizer makes it), and
     `sampling(trajectory, max_tokens)` the SamplingParams of its next turn. Trajectories
     started in one call may end in a later one: `run(until)` returns once `until()`
     holds, the others still running (their environments' steps go on in their threads)."""
@@ -147,12 +149,14 @@ class TrajectoryRunner:
         self,
         engine: Session,
         encode: Callable[[str], list[int]],
+        text: Callable[[Any], str],
         sampling: Callable[[Trajectory, int], Any],
         limits: TurnLimits,
         threads: int = MAX_ENVIRONMENT_THREADS,
     ):
         self.engine = engine
         self.encode = encode
+        self.text = text
         self.sampling = sampling
         self.limits = limits
         workers = min(MAX_ENVIRONMENT_THREADS, max(1, threads))
@@ -203,7 +207,8 @@ class TrajectoryRunner:
                 if output.finished:
                     t = self.in_engine.pop(output.request_id)
                     _take_versions(t, self.engine.versions.pop(output.request_id))
-                    if _take_turn(t, output.outputs[0], self.limits):
+                    completion = output.outputs[0]
+                    if _take_turn(t, completion, self.text(completion), self.limits):
                         step = self.pool.submit(call_maybe_async, t.environment.step, t.pieces[-1])
                         self.stepping[step] = (t, time.time())
                     else:
@@ -249,14 +254,15 @@ def _take_versions(t: Trajectory, turn: Versions) -> None:
         t.versions.last = turn.last
 
 
-def _take_turn(t: Trajectory, completion: Any, limits: TurnLimits) -> bool:
-    """Appends a finished model turn; returns whether the environment should answer it."""
+def _take_turn(t: Trajectory, completion: Any, text: str, limits: TurnLimits) -> bool:
+    """Appends a finished model turn (`text`: its text); returns whether the environment
+    should answer it."""
     token_ids = list(completion.token_ids)
     logprobs = [
         step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
     ]
-    t.add_model_turn(token_ids, logprobs, completion.text)
-    t.spans.append(Span("model_call", t.turn_started, time.time(), output=completion.text))
+    t.add_model_turn(token_ids, logprobs, text)
+    t.spans.append(Span("model_call", t.turn_started, time.time(), output=text))
     if completion.finish_reason == "length" and len(t.completion_token_ids) >= (
         limits.max_completion_tokens
     ):

@@ -445,7 +445,7 @@ class RolloutWorker:
         """Returns a runner of this worker's training trajectories (partial rollouts)."""
         sampling = self._turns(self.rollout.temperature)
         return TrajectoryRunner(
-            self.loop.session(), self._encode, sampling, turn_limits(self.rollout)
+            self.loop.session(), self._encode, self._turn_text, sampling, turn_limits(self.rollout)
         )
 
     def complete(
@@ -502,7 +502,7 @@ class RolloutWorker:
 
     @property
     def detokenizes(self) -> bool:
-        """Whether vLLM detokenizes a batch's requests as they run: stop strings need it.
+        """Whether vLLM detokenizes requests (batches, turns) as they run: stop strings need it.
         Without them each completion's text is decoded once, when it ends
         (_completion_text), which saves vLLM's detokenizing at every step, its logprobs'
         token texts included (BENCHMARKS.md, "Rollout throughput")."""
@@ -566,7 +566,8 @@ class RolloutWorker:
             rows, first_prompt_index, make_environment, new_attempt(), samples
         )
         session = self.loop.session()
-        run_trajectories(session, self._encode, trajectories, self._turns(temperature), limits)
+        sampling = self._turns(temperature)
+        run_trajectories(session, self._encode, self._turn_text, trajectories, sampling, limits)
         now = time.time()
         return [self._trajectory_episode(t, now) for t in trajectories]
 
@@ -606,10 +607,15 @@ class RolloutWorker:
                 temperature=temperature,
                 logprobs=0,
                 seed=sampling_seed(self.seed, t.prompt_index, t.sample_index, t.turns),
+                detokenize=self.detokenizes,
                 **stop_settings(self.rollout),
             )
 
         return sampling
+
+    def _turn_text(self, completion: Any) -> str:
+        """Returns a finished turn's text (its SamplingParams are _turns')."""
+        return self._completion_text(completion, self.detokenizes)
 
     def _encode(self, text: str) -> list[int]:
         """Returns an observation's token ids (no special tokens added)."""
