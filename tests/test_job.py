@@ -65,6 +65,8 @@ def five_step_runs(job_env, tmp_path_factory):
     runs["colocated"] += ["--rollout.in_flight_updates", "true"]
     # Accepted and called at every turn; on CPU the state is in host memory already.
     runs["colocated"] += ["--learner.offload_optimizer", "true"]
+    # No reward actor: the store's process scores (the same scores as run a's).
+    runs["colocated"] += ["--reward.num_workers", "0"]
     # A colocated group: two learners, each in the process of its own engine; a CPU each;
     # two batches a step, one for each engine.
     runs["colocated-group"] = ["--learner.steps", "4", "--ray.placement", "colocated"]
@@ -325,6 +327,11 @@ def test_a_colocated_run_takes_the_disaggregated_runs_steps(five_step_runs):
     assert placement["rollout-0"]["pid"] == placement["learner"]["pid"]
     summary = json.loads((root / "colocated" / "summary.json").read_text())
     assert "rollout-0+learner" in summary["memory_peak_by_process_gib"]
+    # The store's process holds the buffer and scores, its rewards in a child process.
+    assert placement["reward"]["pid"] == placement["store"]["pid"]
+    assert {"store+buffer+reward", "store+buffer+reward child"} <= set(
+        summary["memory_peak_by_process_gib"]
+    )
     assert (
         summary["final_eval_accuracy"]
         == json.loads((root / "a" / "summary.json").read_text())["final_eval_accuracy"]

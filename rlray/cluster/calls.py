@@ -33,6 +33,7 @@ class ActorFailure(RuntimeError):
         actor_id: str | None = None,
         restarting: bool = False,
         lost: bool = False,
+        refused: bool = False,
     ):
         super().__init__(message)
         self.died = died
@@ -41,6 +42,8 @@ class ActorFailure(RuntimeError):
         """Ray is restarting the actor (it answers once it is up again)."""
         self.lost = lost
         """An object the call needed was lost with its node: make it again, then retry."""
+        self.refused = refused
+        """A restarted actor refused the call until it is restored (ActorRestarted)."""
 
 
 class ActorRestarted(RuntimeError):
@@ -66,7 +69,7 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
         if isinstance(err.cause, RayActorError):  # the actor that made an argument died
             raise ActorFailure(message, died=True, actor_id=err.cause.actor_id) from err
         restarted = isinstance(err.cause, ActorRestarted)
-        raise ActorFailure(message, died=restarted) from err
+        raise ActorFailure(message, died=restarted, refused=restarted) from err
     except RayActorError as err:
         message = f"{actor} died during {what}: {_last_line(err)}"
         restarting = isinstance(err, ActorUnavailableError)

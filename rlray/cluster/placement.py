@@ -1,8 +1,9 @@
 """Placement groups: each role's actors get their resources as the bundles of one group.
 
-Rollout workers, reward workers and the learner each reserve a placement group before
-their actors start: one bundle per actor ({CPU, GPU, custom resources}), with the role's
-strategy (rollout SPREAD by default, so that rollout workers land on different nodes
+Rollout workers, reward workers (where the run has any) and the learner each reserve a
+placement group before their actors start: one bundle per actor ({CPU, GPU, custom
+resources}), with the role's strategy (rollout SPREAD by default, so that rollout
+workers land on different nodes
 when there are several; the learners PACK, on one node where they fit). On a GPU cluster
 the bundles hold GPUs; here, CPUs. A rollout worker whose vLLM engine spans several GPUs
 (rollout.tensor_parallel_size > 1) gets a group of its own instead: one GPU bundle per
@@ -102,7 +103,10 @@ class Placement:
 
     def reserve(self, resources: RoleResources, timeout_s: float) -> str | None:
         """Creates the role's groups and waits until they are placed; returns None, or
-        why they could not be placed within timeout_s."""
+        why they could not be placed within timeout_s. A role of no actors (reward
+        actors with reward.num_workers 0) reserves nothing."""
+        if resources.count == 0:
+            return None
         shapes = resources.groups()
         role = resources.role
         names = [role] if len(shapes) == 1 else [f"{role}-{i}" for i in range(len(shapes))]

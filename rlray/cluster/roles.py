@@ -20,7 +20,7 @@ from rlray.cluster.calls import ActorRestarted, _restarted, resolve_episodes
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import StoreConfig
 from rlray.core.episode import Episode
-from rlray.core.evaluation import EvalEpisodes
+from rlray.core.evaluation import EvalEpisodes, EvalSample
 from rlray.core.idle_cores import CoreLender
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import EvalResult, GenerateStats, ScoreStats, StoreStats
@@ -204,15 +204,41 @@ STORE_CALLS = "store"
 """The concurrency group of a store's calls: one at a time, in a thread of their own, so
 that a buffer in the same process (EpisodesActor) answers while a batch is written."""
 
+SCORING_CALLS = "scoring"
+"""The concurrency group of the scoring calls of a store that scores (reward.num_workers
+0): one at a time, in a thread of their own, beside the store's and the buffer's."""
+
+STORE_GROUPS = {STORE_CALLS: 1, SCORING_CALLS: 1}
+"""The concurrency groups to start a StoreActor or EpisodesActor with."""
+
 
 class StoreActor:
     """The run's EpisodeStore; it fetches episode batches from the object store itself,
-    so they never pass through the driver. Start it with
-    `concurrency_groups={STORE_CALLS: 1}`."""
+    so they never pass through the driver. With `scorer` (RewardActor's arguments after
+    run_id), it scores too, as a reward actor would: reward.num_workers 0. Start it with
+    `concurrency_groups=STORE_GROUPS`."""
 
-    def __init__(self, config: StoreConfig, run_dir: str, run_id: str):
+    def __init__(self, config: StoreConfig, run_dir: str, run_id: str, scorer: tuple | None = None):
         self.store = open_store(config, Path(run_dir), run_id)
         self.upload_timeout_s = config.upload_timeout_s
+        self.scorer = RewardActor(run_id, *scorer) if scorer else None
+
+    @ray.method(concurrency_group=SCORING_CALLS)
+    def score(self, episodes: list[Episode], step: int = 0) -> tuple[list[Episode], ScoreStats]:
+        return self._scorer().score(episodes, step)
+
+    @ray.method(concurrency_group=SCORING_CALLS)
+    def score_and_split(self, episodes: list[Episode], step: int = 0) -> Any:
+        return self._scorer().score_and_split(episodes, step)
+
+    @ray.method(concurrency_group=SCORING_CALLS)
+    def evaluate(self, episodes: EvalEpisodes, step: int = 0) -> list[EvalSample]:
+        return self._scorer().evaluate(episodes, step)
+
+    def _scorer(self) -> RewardActor:
+        if self.scorer is None:
+            raise RuntimeError("this store does not score: the run has reward actors")
+        return self.scorer
 
     @ray.method(concurrency_group=STORE_CALLS)
     def append_batches(
@@ -250,7 +276,8 @@ class EpisodesActor(BufferActor, StoreActor):
     can give back (the buffer its batches' references, the store its journal on disk),
     so one restart restores both (rlray.driver.recovery), and a process of Python, Ray
     and pyarrow (about 0.09 GiB) is saved. The store's calls run in a thread of their own
-    (STORE_CALLS): a learner step's take never waits behind a batch being written."""
+    (STORE_CALLS): a learner step's take never waits behind a batch being written; so
+    do its scoring calls, if it scores (SCORING_CALLS)."""
 
     def __init__(
         self,
@@ -259,6 +286,7 @@ class EpisodesActor(BufferActor, StoreActor):
         max_staleness: int,
         store: StoreConfig,
         run_dir: str,
+        scorer: tuple | None = None,
     ):
         BufferActor.__init__(self, run_id, capacity_episodes, max_staleness)
-        StoreActor.__init__(self, store, run_dir, run_id)
+        StoreActor.__init__(self, store, run_dir, run_id, scorer)

@@ -27,7 +27,7 @@ from rlray.cluster.endpoints import AgentActor, IngestActor
 from rlray.cluster.learners import LearnerActor, LearnerGroup, PreferenceActor, learner_names
 from rlray.cluster.placement import Placement, colocated_resources, role_resources
 from rlray.cluster.roles import (
-    STORE_CALLS,
+    STORE_GROUPS,
     EpisodesActor,
     RewardActor,
     RolloutActor,
@@ -71,16 +71,24 @@ class Actors:
         return ids.get(actor_id) if actor_id else None
 
     def all(self) -> list[tuple[str, Any]]:
-        """Returns (name, handle) of every actor."""
+        """Returns (name, handle) of every actor; a process's first name is its own (the
+        store's before the buffer's and a scoring store's `reward`, a colocated engine's
+        before its learner's)."""
         singles = [("store", self.store), ("buffer", self.buffer), ("ingest", self.ingest)]
         singles.append(("agent", self.agent))
         learners = self.learner or LearnerGroup([])
         return [
             *zip(self.rollout_names, self.rollout, strict=True),
-            *zip(self.reward_names, self.reward, strict=True),
             *((name, handle) for name, handle in singles if handle is not None),
+            *zip(self.reward_names, self.reward, strict=True),
             *zip(learners.names, learners.handles, strict=True),
         ]
+
+    def process_name(self, name: str) -> str:
+        """Returns the first name of the process of actor `name` (see `all`): the one its
+        restarts are counted under."""
+        handle = self.handle(name)
+        return next(other for other, h in self.all() if h is handle)
 
     def sharing(self, name: str) -> list[str]:
         """Returns the names of every role in the process of actor `name`, its own first
@@ -256,6 +264,7 @@ def start_actors(
             raise ActorFailure(problem)
     rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
     reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
+    store = _start_store(config, run_id, train)
     if colocated:
         rollout = _start_colocated(config, rollout_names, model_path, run_id, checkpoint, placement)
     else:
@@ -268,9 +277,10 @@ def start_actors(
         reward=[
             _start_reward_worker(config, name, run_id, placement.actor_options("reward", i))
             for i, name in enumerate(reward_names)
-        ],
-        reward_names=reward_names,
-        store=_start_store(config, run_id, train),
+        ]
+        or [store],
+        reward_names=reward_names or [STORE_SCORER],
+        store=store,
         placement=placement,
     )
     if train:
@@ -291,9 +301,15 @@ def start_actors(
     return actors
 
 
+STORE_SCORER = "reward"
+"""The role name of a store that scores (reward.num_workers 0): its restarts are the
+store's, and a failed scoring call names it."""
+
+
 def _start_store(config: Config, run_id: str, train: bool) -> Any:
     """Starts the run's store, named `store`: with the buffer in its process in a training
-    run (EpisodesActor), alone in a collect-only one."""
+    run (EpisodesActor), alone in a collect-only one; scoring too with reward.num_workers
+    0 (the rewards' own child process starts with it)."""
     options = {
         "name": "store",
         "num_cpus": 0,
@@ -304,14 +320,24 @@ def _start_store(config: Config, run_id: str, train: bool) -> Any:
             ray.get_runtime_context().get_node_id(), soft=False
         ),
     }
-    store_calls = {STORE_CALLS: 1}
+    scorer = None if config.reward.num_workers else _reward_arguments(config, STORE_SCORER)
+    if scorer is not None:
+        # A scoring call is sent once its batch is generated: in order, every call to
+        # this process made after it (a step's take, a store write) would wait for that
+        # generation too. The driver waits for each buffer call before the next.
+        options["allow_out_of_order_execution"] = True
     if not train:
-        actor = ray.remote(concurrency_groups=store_calls)(StoreActor).options(**options)
-        return actor.remote(config.store, config.run_dir, run_id)
+        actor = ray.remote(concurrency_groups=STORE_GROUPS)(StoreActor).options(**options)
+        return actor.remote(config.store, config.run_dir, run_id, scorer)
     buffer = config.buffer
-    actor = ray.remote(concurrency_groups=store_calls)(EpisodesActor).options(**options)
+    actor = ray.remote(concurrency_groups=STORE_GROUPS)(EpisodesActor).options(**options)
     return actor.remote(
-        run_id, buffer.capacity_episodes, buffer.max_staleness, config.store, config.run_dir
+        run_id,
+        buffer.capacity_episodes,
+        buffer.max_staleness,
+        config.store,
+        config.run_dir,
+        scorer,
     )
 
 
@@ -408,19 +434,17 @@ def engine_log(config: Config, actor: str) -> str | None:
 
 
 def _start_reward_worker(config: Config, name: str, run_id: str, options: dict) -> Any:
-    reward = config.reward
     return (
         ray.remote(RewardActor)
         .options(name=name, max_restarts=config.ray.max_actor_restarts, **options)
-        .remote(
-            run_id,
-            name,
-            reward.functions,
-            reward.on_failure,
-            reward.batch_size,
-            eval_specs=config.eval.rewards,
-        )
+        .remote(run_id, *_reward_arguments(config, name))
     )
+
+
+def _reward_arguments(config: Config, name: str) -> tuple:
+    """Returns a RewardWorker's arguments: its name, the rewards and how to call them."""
+    reward = config.reward
+    return (name, reward.functions, reward.on_failure, reward.batch_size, config.eval.rewards)
 
 
 def _start_learners(

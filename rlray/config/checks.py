@@ -132,10 +132,12 @@ def _devices(config: Config) -> None:
         "rollout.cpus_per_worker": r.cpus_per_worker
         + r.gpus_per_worker
         + sum(r.resources.values()),
-        "reward.cpus_per_worker": config.reward.cpus_per_worker
-        + sum(config.reward.resources.values()),
         "learner.cpus": learner.cpus + learner.gpus + sum(learner.resources.values()),
     }
+    if config.reward.num_workers > 0:  # else the store's process scores
+        needs["reward.cpus_per_worker"] = config.reward.cpus_per_worker + sum(
+            config.reward.resources.values()
+        )
     for name, total in needs.items():
         if total <= 0:
             raise ConfigError(f"{name}: the actor must reserve some resource (CPU, GPU or custom)")

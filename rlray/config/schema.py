@@ -318,10 +318,12 @@ class RewardConfig:
     Either way it is counted and the first error of each reward is logged once."""
     batch_size: int = positive(64)
     """Episodes per call of a reward function (a rollout batch is scored in such pieces)."""
-    num_workers: int = positive(1)
-    """Reward-scoring actors; rollout batches go to them in turn."""
+    num_workers: int = non_negative(1)
+    """Reward-scoring actors; rollout batches go to them in turn. 0: no actor of their
+    own, the store's process scores (beside the driver; one Python process less, 0.07
+    GiB of the default job's peak)."""
     cpus_per_worker: float = non_negative(0.5)
-    """CPUs reserved per reward actor."""
+    """CPUs reserved per reward actor (none when num_workers is 0)."""
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources per reward actor."""
     placement_strategy: PlacementStrategy = "PACK"

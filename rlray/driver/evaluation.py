@@ -1,6 +1,6 @@
-"""Held-out evaluations: rollout-0 generates, reward-0 scores, and only the scores come
-back to the driver, which summarises them into metrics and keeps the best checkpoint by
-one of them.
+"""Held-out evaluations: rollout-0 generates, the first scorer (the store's process, or
+reward-0) scores, and only the scores come back to the driver, which summarises them into
+metrics and keeps the best checkpoint by one of them.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class Evaluator:
         return PendingEvaluation(version, result, samples)
 
     def finish(self, pending: PendingEvaluation) -> Evaluation:
-        """Returns a started evaluation's result. If rollout-0 or reward-0 died under
+        """Returns a started evaluation's result. If rollout-0 or its scorer died under
         it, the evaluation runs again, on the policy rollout-0 then holds (its
         eval_policy_version says which)."""
         calls = [
@@ -179,7 +179,7 @@ class PendingEvaluation:
     result: Any
     """rollout-0's EvalResult."""
     samples: Any
-    """reward-0's scored samples."""
+    """The scorer's scored samples."""
 
 
 class BestCheckpoint:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlray.cluster.calls import ActorFailure, wait_for
-from rlray.cluster.start import Actors
+from rlray.cluster.start import Actors, restart_count
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ class Recovery:
         """Actor restarts seen by this driver, by actor name."""
         self.restorers: dict[str, Restorer] = {}
         """By role: "rollout", "reward", "buffer", "store"."""
+        self.restored: dict[str, int] = {}
+        """By process (its first actor name): Ray's restart count when it was last
+        restored. Every call in flight meets one death: the first restores the process,
+        the others find it restored (a restored buffer refuses a second restore)."""
 
     def call(self, actor: str, ref: Any, what: str) -> Any:
         """Returns ray.get(ref) within the call timeout, or raises ActorFailure."""
@@ -61,12 +65,17 @@ class Recovery:
         name = self.actors.name_of(failure.actor_id) or name  # the one that died
         if name.startswith("learner"):  # not restarted: its weights would be lost
             raise ActorFailure(f"learner died; {failure}", died=True) from failure
-        logger.warning("%s; waiting for Ray to restart %s", failure, name)
+        process = self.actors.process_name(name)  # store, for the buffer and the scorer
+        logger.warning("%s; waiting for Ray to restart %s", failure, process)
         self._wait_until_up(name, failure)
+        restarts = restart_count(self.actors.handle(name))
+        if not failure.refused and restarts <= self.restored.get(process, 0):
+            return  # another call met the same death and restored the process
         for role in self.actors.sharing(name):  # the store's restart is the buffer's too
             restore = self.restorers.get(_role(role))
             if restore is not None:
                 restore(role)
+        self.restored[process] = restarts
         self.count_restarts()  # one death fails every call in flight: count it once
 
     def restore_restarted(self, names: list[str]) -> None:

@@ -89,14 +89,6 @@ class RunLog:
         self.clock = clock
         self.first_step = max(plan.first_step, 1)
         """The first learner step of this run (step 0 is the evaluation before any)."""
-        processes = actor_processes(actors, config.ray.call_timeout_s)
-        (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))
-        pids = local_pids(processes)
-        names: dict[int, str] = {}
-        for name, where in processes.items():  # a colocated actor is two roles' process
-            if where["pid"] in pids:
-                names[where["pid"]] = "+".join(filter(None, [names.get(where["pid"]), name]))
-        self.memory = MemoryMonitor(lambda: pids, names=lambda: names).start()
         tracking = config.tracking
         self.trackers = Trackers(
             plan.run_dir,
@@ -108,6 +100,16 @@ class RunLog:
         )
         self.metrics = MetricsLog(plan.run_dir, self.trackers)
         self.metrics.keep_before(plan.first_step)  # a resumed run logs its steps again
+        # After the lines of steps to be made again are gone: whoever finds this run's
+        # actors in placement.json finds its metrics.jsonl as this run goes on from.
+        processes = actor_processes(actors, config.ray.call_timeout_s)
+        (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))
+        pids = local_pids(processes)
+        names: dict[int, str] = {}
+        for name, where in processes.items():  # a colocated actor is two roles' process
+            if where["pid"] in pids:
+                names[where["pid"]] = "+".join(filter(None, [names.get(where["pid"]), name]))
+        self.memory = MemoryMonitor(lambda: pids, names=lambda: names).start()
         self.progress = Progress(total_steps=config.learner.steps, first_step=self.first_step)
         self.best = BestCheckpoint(plan.run_dir, config.eval.best_metric, self.first_step)
         self.episodes = 0
