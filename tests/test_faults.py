@@ -2,8 +2,8 @@
 (and fails naming the learner once its restarts are used up), and the store holds every
 scored episode once: whole batches, each id once, every step's batch trained on.
 
-One run takes all the kills in turn (rollout, reward, the store with the buffer in its
-process; then the learner, after which the job resumes from its checkpoint by itself;
+One run takes all the kills in turn (rollout; the store, with the buffer and the
+scoring in its process; then the learner, after which the job resumes from its checkpoint by itself;
 then the learner again, which ends the job as `ray.max_job_restarts` 1 allows one
 resume), so Ray and vLLM start once for all of them. It syncs weights through vLLM's
 weight transfer (gloo): the restarted rollout worker loads them from the object store
@@ -18,6 +18,8 @@ whole, never in part.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import pytest
 
 from rlray.episodes.reader import read
 from tests.jobs_helper import REPO, SHORT_RUN, kill, metrics, pid_of
-from tests.test_store_job import start_job, wait_until
+from tests.test_store_job import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +61,19 @@ def attempts(run_dir: Path) -> dict[str, list[dict]]:
     return grouped
 
 
+def start_job(args: list[str], env: dict[str, str], output: Path) -> subprocess.Popen:
+    """Starts `python jobs/ppo.py`, its output going to output.out and output.err: read
+    while it runs (a pipe is read only at the end), they say where a wait stopped."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "jobs" / "ppo.py"), *args],
+        cwd=REPO,
+        env=env,
+        stdout=output.with_suffix(".out").open("w"),
+        stderr=output.with_suffix(".err").open("w"),
+        text=True,
+    )
+
+
 def check_whole_batches(grouped: dict[str, list[dict]]) -> dict[int, list[bool]]:
     """Asserts every stored attempt is one whole batch (8 prompts x 4 samples, trained
     or not as one); returns {batch index: [trained?] per stored attempt}."""
@@ -82,10 +97,12 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     # The long-tail task with in-flight updates, a batch ahead: requests are running
     # across kills, syncs and checkpoints.
     args += ["--config", str(REPO / "examples" / "countdown.yaml"), "--buffer.max_staleness", "1"]
-    job = start_job([*args, "--run-dir", str(run_dir)], job_env)
+    output = tmp_path / "job"
+    job = start_job([*args, "--run-dir", str(run_dir)], job_env, output)
     try:
-        # The store's process holds the buffer too: one kill restarts and restores both.
-        for step, actor in enumerate(("rollout-0", "reward-0", "store"), start=1):
+        # The store's process holds the buffer and scores: one kill restarts and restores
+        # both, and fails the scoring calls in flight.
+        for step, actor in enumerate(("rollout-0", "store"), start=1):
             wait_until(lambda step=step: steps_logged(run_dir) >= step)
             kill(run_dir, actor)
             # Seen by the run before the next kill: a resume would forget it.
@@ -96,9 +113,13 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
         wait_until(lambda: pid_of(run_dir, "learner") != first_learner)
         wait_until(lambda: steps_logged(run_dir) >= 5)
         kill(run_dir, "learner")  # ...but only once (ray.max_job_restarts 1)
-        _, err = job.communicate(timeout=900)
+        job.wait(timeout=900)
+    except (AssertionError, subprocess.TimeoutExpired) as failure:
+        tail = output.with_suffix(".err").read_text()[-4000:]
+        raise AssertionError(f"{failure}; the job's stderr ends with:\n{tail}") from failure
     finally:
         job.kill()
+    err = output.with_suffix(".err").read_text()
     assert job.returncode == 1, err[-4000:]
     resumed = re.search(r"learner died.*; resuming from step-(\d+)", err)
     assert resumed, err[-4000:]
@@ -108,7 +129,7 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     assert "gave up after 1 restarts: ray.max_job_restarts" in last
     # Each actor killed once is one restart, logged once, however many calls it failed
     # (Ray's own count; the resumed run's new actors count from 0).
-    for actor in ("rollout-0", "reward-0", "store"):
+    for actor in ("rollout-0", "store"):
         assert re.findall(rf"^{actor} restarted \(restart (\d+) of this run\)$", err, re.M) == [
             "1"
         ], actor

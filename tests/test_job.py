@@ -65,8 +65,8 @@ def five_step_runs(job_env, tmp_path_factory):
     runs["colocated"] += ["--rollout.in_flight_updates", "true"]
     # Accepted and called at every turn; on CPU the state is in host memory already.
     runs["colocated"] += ["--learner.offload_optimizer", "true"]
-    # No reward actor: the store's process scores (the same scores as run a's).
-    runs["colocated"] += ["--reward.num_workers", "0"]
+    # A reward actor of its own, where run a's store process scores: the same scores.
+    runs["colocated"] += ["--reward.num_workers", "1"]
     # A colocated group: two learners, each in the process of its own engine; a CPU each;
     # two batches a step, one for each engine.
     runs["colocated-group"] = ["--learner.steps", "4", "--ray.placement", "colocated"]
@@ -264,8 +264,13 @@ def test_each_step_says_where_its_time_went_and_the_run_its_memory(five_step_run
     assert summary["memory_peak_gib"] >= max(r["memory_gib"] for r in records)
     # The peak, split by process: the driver and the actors by name, Ray's by its own.
     shares = summary["memory_peak_by_process_gib"]
-    assert {"driver", "rollout-0", "learner", "reward-0", "store+buffer"} <= set(shares)
+    # The store's process holds the buffer and scores (reward.num_workers 0); its one
+    # reward, a built-in, runs there too: no child process.
+    assert {"driver", "rollout-0", "learner", "store+buffer+reward"} <= set(shares)
+    assert not any(name.endswith("child") for name in shares), shares
     assert sum(shares.values()) == pytest.approx(summary["memory_peak_gib"])
+    placement = json.loads((root / "a" / "placement.json").read_text())
+    assert placement["reward"]["pid"] == placement["store"]["pid"]
     # The learner's padding: what every step's passes computed beyond their tokens.
     computed = sum(r["learner_tokens_computed"] for r in records[1:])
     padding = sum(r["learner_padding_tokens"] for r in records[1:])
@@ -326,12 +331,10 @@ def test_a_colocated_run_takes_the_disaggregated_runs_steps(five_step_runs):
     placement = json.loads((root / "colocated" / "placement.json").read_text())
     assert placement["rollout-0"]["pid"] == placement["learner"]["pid"]
     summary = json.loads((root / "colocated" / "summary.json").read_text())
-    assert "rollout-0+learner" in summary["memory_peak_by_process_gib"]
-    # The store's process holds the buffer and scores, its rewards in a child process.
-    assert placement["reward"]["pid"] == placement["store"]["pid"]
-    assert {"store+buffer+reward", "store+buffer+reward child"} <= set(
+    assert {"rollout-0+learner", "reward-0", "store+buffer"} <= set(
         summary["memory_peak_by_process_gib"]
     )
+    assert placement["reward-0"]["pid"] != placement["store"]["pid"]
     assert (
         summary["final_eval_accuracy"]
         == json.loads((root / "a" / "summary.json").read_text())["final_eval_accuracy"]

@@ -11,6 +11,7 @@ import pytest
 from rlray.config import ConfigError, RewardSpec
 from rlray.learner.rl import component_means
 from rlray.rewards.loading import absolute_spec_path, check_rewards, scheduled_weight
+from rlray.rewards.process import InProcessRewards, RewardProcess
 from rlray.rewards.worker import RewardWorker
 from tests.test_episode import make_episode
 
@@ -264,6 +265,30 @@ def test_reward_code_that_exits_or_crashes_fails_only_its_episodes(user_file, ca
     # The worker (this process) lives on, and so does scoring.
     scored, stats = worker.score(episodes("again"))
     assert scored[0].reward_components[exits.name] == 1.0 and stats.failures[exits.name] == 0
+
+
+def test_built_ins_score_in_the_workers_process_and_any_other_reward_in_a_child(user_file):
+    built_ins = [RewardSpec("exact_match"), RewardSpec("numeric_match", weight=0.5)]
+    in_process = RewardWorker("reward-0", built_ins)
+    assert isinstance(in_process.process, InProcessRewards)
+    apart = [
+        [RewardSpec("regex_match", kwargs={"pattern": "^4"})],  # the user's pattern
+        [RewardSpec("exact_match"), spec(user_file, "reward_len")],  # user code beside
+    ]
+    for specs in apart:
+        assert isinstance(RewardWorker("reward-0", specs).process, RewardProcess)
+    # The same scores either way, and a built-in that raises fails only its call.
+    completions = ("42", " 42 ", "41", "4.2e1")
+    child = RewardWorker("reward-0", built_ins)
+    child.process = RewardProcess(built_ins)
+    one, two = (worker.score(episodes(*completions))[0] for worker in (in_process, child))
+    assert [e.reward_components for e in one] == [e.reward_components for e in two]
+    assert [e.reward for e in one] == [1.5, 1.5, 0.0, 0.5]
+    unanswered = episodes("42")
+    unanswered[0].columns = {}
+    scored, stats = in_process.score(unanswered)
+    assert scored[0].reward_components["exact_match"] is None
+    assert stats.failures == {"exact_match": 1, "numeric_match": 1}
 
 
 def test_evaluation_is_scored_by_the_eval_rewards_and_comes_back_as_small_records(user_file):

@@ -220,6 +220,8 @@ def test_collect_job_keeps_every_episode_in_the_spool_when_s3_never_comes_back(j
         *["--store.path", "s3://episodes/rl", "--store.s3_endpoint_url", nowhere],
         *["--store.upload_timeout_s", "3"],
         *["--reward.functions", f"[{{name: exact_match}}, {{name: '{rewards}:gate'}}]"],
+        # A reward actor of its own (by default the store's process scores).
+        *["--reward.num_workers", "1"],
     ]
     with (tmp_path / "collect.out").open("w") as out:
         job = subprocess.Popen(

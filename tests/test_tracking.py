@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rlray.observe.event_file import crc32c, masked_crc32c, tfrecord
 from rlray.observe.tracking import Trackers, flatten_metrics, wandb_run_id
 
 CONFIG = {"model": {"path": "tiny"}, "ppo": {"lr": 1e-5, "clip": 0.2}, "run_dir": Path("runs/x")}
@@ -103,6 +104,47 @@ def test_config_and_summary_are_written_as_text(tensorboard_events):
     assert "ppo:" in config_text and "lr: 1.0e-05" in config_text
     assert "run_dir: runs/x" in config_text  # a Path is written as its string
     assert '"final_eval_accuracy": 0.625' in text("summary")
+
+
+def test_crc32c_gives_the_castagnoli_check_values():
+    # The CRC catalogue's check value (the CRC of "123456789") and RFC 3720's vectors.
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(bytes(32)) == 0x8A9136AA
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert crc32c(bytes(range(32))) == 0x46DD794E
+    assert crc32c(b"") == 0
+
+
+def test_records_are_framed_byte_for_byte_as_tensorboards_writer_frames_them():
+    # Its writer's framing and CRC (imported here only: the driver never loads them).
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as theirs
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    class Bytes:
+        def __init__(self):
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+    for data in (b"", b"x", bytes(range(256)) * 3):
+        assert masked_crc32c(data) == theirs(data)
+        sink = Bytes()
+        RecordWriter(sink).write(data)
+        assert tfrecord(data) == sink.data
+    assert tfrecord(b"x")[:8] == struct.pack("<Q", 1)
+
+
+def test_a_resumed_run_writes_a_file_of_its_own_beside_the_first(tmp_path):
+    # Two runs in one process within a second (a resume): neither file overwrites the other.
+    for steps in (RECORDS[:3], RECORDS[2:]):
+        trackers = Trackers(tmp_path, CONFIG, run_id="ppo-test", use_wandb=False)
+        for record in steps:
+            trackers.log(record)
+        trackers.close()
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    points = scalar_points(read_tensorboard(tmp_path), "reward/mean")
+    assert [step for step, _ in points] == [1, 2, 2, 3]  # both files read, step 2 from each
 
 
 def test_flatten_keeps_only_finite_numbers():

@@ -300,7 +300,8 @@ class RewardSpec:
     the next point: piecewise constant)."""
     timeout_s: float = positive(60.0)
     """Longest one call of this reward on a scoring batch; past it the component fails
-    for that batch's episodes."""
+    for that batch's episodes. Built-ins called in the scoring process itself (linear in
+    their input; docs/rewards.md) have no limit."""
 
 
 @dataclass
@@ -318,10 +319,11 @@ class RewardConfig:
     Either way it is counted and the first error of each reward is logged once."""
     batch_size: int = positive(64)
     """Episodes per call of a reward function (a rollout batch is scored in such pieces)."""
-    num_workers: int = non_negative(1)
-    """Reward-scoring actors; rollout batches go to them in turn. 0: no actor of their
-    own, the store's process scores (beside the driver; one Python process less, 0.07
-    GiB of the default job's peak)."""
+    num_workers: int = non_negative(0)
+    """Reward-scoring actors; rollout batches go to them in turn. 0 (the default): no
+    actor of their own, the store's process scores beside its writes (one Python process
+    less, 0.07 GiB of the default job's peak); give rewards actors of their own when
+    scoring is heavy (model rewards, sandboxed code)."""
     cpus_per_worker: float = non_negative(0.5)
     """CPUs reserved per reward actor (none when num_workers is 0)."""
     resources: dict[str, float] = non_negative(factory=dict)

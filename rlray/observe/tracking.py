@@ -23,7 +23,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
 from tensorboard.compat.proto.tensor_pb2 import TensorProto
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from rlray.observe.event_file import EventFile
 
 TAGS: dict[str, str] = {
     "reward_mean": "reward/mean",
@@ -141,6 +142,7 @@ class Trackers:
         flat = flatten_metrics(record)
         for tag, value in flat.items():
             self.tensorboard.add_scalar(tag, value, step)
+        self.tensorboard.flush()  # a step's curves readable while the run goes on
         if self.wandb_run is not None and flat:
             # wandb drops (with a warning) a step below the run's last one, so an online run
             # resumed from an earlier checkpoint does not get its repeated steps twice.
@@ -163,12 +165,12 @@ class Trackers:
 
 
 class EventWriter:
-    """TensorBoard event files of scalars and text, written with tensorboard's own event
-    writer and protos: torch's SummaryWriter would import torch into the driver (~150 MB
-    held for the whole run) for the same records."""
+    """TensorBoard event files of scalars and text, made of tensorboard's protos
+    (rlray.observe.event_file): torch's SummaryWriter would import torch into the driver
+    (~150 MB held for the whole run) for the same records."""
 
     def __init__(self, log_dir: Path):
-        self.writer = EventFileWriter(str(log_dir))
+        self.file = EventFile(log_dir)
         self.closed = False
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
@@ -188,15 +190,17 @@ class EventWriter:
         self._write(
             step, Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor)
         )
+        self.flush()
 
     def _write(self, step: int, value: Summary.Value) -> None:
-        self.writer.add_event(
-            Event(wall_time=time.time(), step=step, summary=Summary(value=[value]))
-        )
+        self.file.write(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+
+    def flush(self) -> None:
+        self.file.flush()
 
     def close(self) -> None:
         if not self.closed:
-            self.writer.close()
+            self.file.close()
             self.closed = True
 
 

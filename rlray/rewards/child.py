@@ -11,7 +11,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from rlray.rewards.loading import accepted_columns, load_reward
+from rlray.rewards.loading import call_reward, describe_failure, load_reward
 
 
 def _serve(conn: Connection) -> None:
@@ -22,7 +22,7 @@ def _serve(conn: Connection) -> None:
     try:
         rewards = [load_reward(spec) for spec in specs]
     except BaseException as err:
-        conn.send(("error", _describe(err)))
+        conn.send(("error", describe_failure(err)))
         return
     conn.send(("ready", None))
     while True:
@@ -30,23 +30,16 @@ def _serve(conn: Connection) -> None:
             index, arguments = conn.recv()
         except EOFError:
             return  # the reward worker is gone
-        reward = rewards[index]
-        columns = arguments.pop("columns")
         try:
-            value = reward.fn(**arguments, **accepted_columns(reward.fn, columns), **reward.kwargs)
+            value = call_reward(rewards[index], arguments)
         except BaseException as err:  # SystemExit and KeyboardInterrupt too: a failed call
-            conn.send(("error", _describe(err)))
+            conn.send(("error", describe_failure(err)))
             continue
         try:
             conn.send(("ok", value))
         except Exception as err:
-            conn.send(("error", f"returned a value that cannot be sent back: {_describe(err)}"))
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, SystemExit):
-        return f"called sys.exit({err.code!r})"
-    return f"raised {type(err).__name__}: {err}"
+            message = f"returned a value that cannot be sent back: {describe_failure(err)}"
+            conn.send(("error", message))
 
 
 if __name__ == "__main__":

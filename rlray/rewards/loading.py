@@ -24,29 +24,34 @@ from rlray.config import ConfigError, RewardSpec
 RewardFn = Callable[..., list[float | None]]
 
 # Built-in rewards, resolved like any user import path (and imported only when used).
+TEXT_REWARDS = (
+    "exact_match",
+    "normalized_match",
+    "numeric_match",
+    "regex_match",
+    "length_reward",
+    "overlong_penalty",
+    "repetition_penalty",
+    "distinct_n",
+    "script_diversity",
+    "lexicon_sentiment",
+    "bleu",
+    "chrf",
+)
+TRACE_REWARDS = ("environment_reward", "tool_success")
 BUILTIN_REWARDS: dict[str, str] = {
-    name: f"rlray.rewards.text:{name}"
-    for name in (
-        "exact_match",
-        "normalized_match",
-        "numeric_match",
-        "regex_match",
-        "length_reward",
-        "overlong_penalty",
-        "repetition_penalty",
-        "distinct_n",
-        "script_diversity",
-        "lexicon_sentiment",
-        "bleu",
-        "chrf",
-    )
-} | {
+    **{name: f"rlray.rewards.text:{name}" for name in TEXT_REWARDS},
+    **{name: f"rlray.rewards.trace:{name}" for name in TRACE_REWARDS},
     "code_tests": "rlray.rewards.code:code_tests",
     "embedding_similarity": "rlray.rewards.model_based:EmbeddingSimilarity",
     "classifier_reward": "rlray.rewards.model_based:ClassifierReward",
-    "environment_reward": "rlray.rewards.trace:environment_reward",
-    "tool_success": "rlray.rewards.trace:tool_success",
 }
+
+# Built-ins called in the scorer's own process, without the child process that guards
+# against user code (rlray.rewards.process): ours, no model, linear in their input.
+# regex_match is left out (its pattern is the user's and can backtrack for ever: the
+# child's timeout stops it), as are code_tests (it runs code) and the model rewards.
+IN_PROCESS_REWARDS = frozenset(TEXT_REWARDS + TRACE_REWARDS) - {"regex_match"}
 
 
 @dataclass
@@ -166,6 +171,21 @@ def accepted_columns(fn: Callable[..., Any], columns: dict[str, Any]) -> dict[st
         return columns
     names = {p.name for p in parameters}
     return {key: value for key, value in columns.items() if key in names}
+
+
+def call_reward(reward: LoadedReward, arguments: dict[str, Any]) -> Any:
+    """Calls the reward on one call's arguments: prompts, completions and `columns`, of
+    which it gets those it takes."""
+    columns = {key: value for key, value in arguments.items() if key != "columns"}
+    columns |= accepted_columns(reward.fn, arguments["columns"])
+    return reward.fn(**columns, **reward.kwargs)
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line on how a reward call failed."""
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
+    return f"raised {type(err).__name__}: {err}"
 
 
 def check_callable(spec: RewardSpec, column_names: set[str]) -> None:

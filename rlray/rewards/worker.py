@@ -2,7 +2,8 @@
 
 A plain class: tests construct it in-process; rlray.cluster runs it as `reward-<i>`.
 The reward functions run in a child process (rlray.rewards.process), so reward code that
-exits or crashes fails its call instead of ending the worker. A component that raises,
+exits or crashes fails its call instead of ending the worker; built-ins that need no such
+guard run in the worker's own process. A component that raises,
 exits, times out, or gives None, NaN or a score beyond ±MAX_ABS_REWARD (1e15: the
 learner computes in float32) for an episode fails for that episode only: a batch
 call that fails is retried one episode at a time to find which. Failures are counted per
@@ -24,7 +25,7 @@ from rlray.core.groups import AGENT_TRACE_COLUMN, group_key, split_uniform_group
 from rlray.core.stats import ScoreStats
 from rlray.data.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.rewards.loading import scheduled_weight
-from rlray.rewards.process import RewardCallError, RewardProcess
+from rlray.rewards.process import RewardCallError, reward_caller
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class RewardWorker:
         self.specs = specs
         self.eval_specs = eval_specs
         self._eval_worker: RewardWorker | None = None
-        self.process = RewardProcess(specs)
+        self.process = reward_caller(specs)
         self.drop_on_failure = on_failure == "drop_episode"
         self.batch_size = batch_size
         self._logged: set[str] = set()
