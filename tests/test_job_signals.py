@@ -30,11 +30,22 @@ def start_job(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def wait_for_line(job: subprocess.Popen, prefix: str) -> None:
+def wait_for_line(job: subprocess.Popen, prefix: str, anywhere: bool = False) -> None:
+    """Reads the job's output up to a line that starts with `prefix` (or, `anywhere`,
+    holds it)."""
     for line in job.stdout:
-        if line.startswith(prefix):
+        if line.startswith(prefix) or (anywhere and prefix in line):
             return
     raise AssertionError(f"the job ended before printing {prefix!r}")
+
+
+# A reward that prints, as one being debugged does: from the child process that runs
+# user rewards, its lines go to the scoring actor's log file.
+LOUD_REWARD = """
+def loud(prompts, completions, **kwargs):
+    print(f"my reward scored {len(completions)} completions", flush=True)
+    return [0.0] * len(completions)
+"""
 
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
@@ -103,16 +114,22 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
     is left (its dashboard and runtime-env agents outlived it by a minute before)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     run_dir = tmp_path / "run"
-    job = start_job(["--learner.steps", "50", "--run-dir", str(run_dir)], env)
+    (tmp_path / "loud.py").write_text(LOUD_REWARD)
+    rewards = f"[{{name: exact_match}}, {{name: '{tmp_path / 'loud.py'}:loud'}}]"
+    job = start_job(
+        ["--learner.steps", "50", "--reward.functions", rewards, "--run-dir", str(run_dir)], env
+    )
     try:
         wait_for_line(job, "eval  step    0")  # every actor is up
+        # An actor's output reaches the driver's console...
+        wait_for_line(job, "my reward scored", anywhere=True)
         ray_processes = psutil.Process(job.pid).children(recursive=True)
         names = {p.name() for p in ray_processes}
         assert {"raylet", "gcs_server"} <= names, names
-        # Its own Ray starts neither the autoscaler's monitor nor the API server, which
-        # it never uses; the log monitor brings the actors' output.
+        # ...though its own Ray starts neither the autoscaler's monitor nor the API
+        # server, which it never uses, nor the log monitor, which runs in the driver.
         scripts = {Path(arg).name for p in ray_processes for arg in p.cmdline()}
-        assert "log_monitor.py" in scripts and not {"monitor.py", "dashboard.py"} & scripts
+        assert not {"monitor.py", "dashboard.py", "log_monitor.py"} & scripts, scripts
         # Each can be stopped by the SIGTERM of Ray's own shutdown (a mask blocked in the
         # driver was inherited by all of them: each killed a second later instead).
         blocking = [p.name() for p in ray_processes if blocked_signals(p.pid) & SIGTERM_BIT]
