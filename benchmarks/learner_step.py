@@ -3,6 +3,7 @@ own forward pass (fused) against a pass of their own, side by side in one proces
 
     python benchmarks/learner_step.py                      # 12.6M parameters, 64 x 256 tokens
     python benchmarks/learner_step.py --size 0.5M --tokens 64 --episodes 256
+    python benchmarks/learner_step.py --device cuda --dtype bfloat16 --size 100M  # on a GPU
 
 The random-weight models of benchmarks/vs_trl.py (the embedded model's shape family,
 character vocabulary). Each repeat runs one step of each kind on the same episodes from
@@ -32,8 +33,11 @@ from rlray.core.episode import Episode
 from rlray.learner.rl import Learner
 
 
-def learner(model: str, episodes: int, tokens: int) -> Learner:
+def learner(
+    model: str, episodes: int, tokens: int, device: str = "cpu", dtype: str = "float32"
+) -> Learner:
     config = Config()
+    config.model.dtype = dtype  # type: ignore[assignment]
     config.learner.epochs = 1
     config.learner.episodes_per_step = config.learner.minibatch_size = episodes
     config.learner.micro_batch_size = min(episodes, 64)
@@ -47,6 +51,7 @@ def learner(model: str, episodes: int, tokens: int) -> Learner:
         samples_per_prompt=config.rollout.samples_per_prompt,
         temperature=1.0,
         seed=0,
+        device=device,
     )
 
 
@@ -54,7 +59,12 @@ def random_episodes(
     count: int, tokens: int, vocab: int, samples: int, shortest: int = 0
 ) -> list[Episode]:
     """Returns groups of `samples` episodes of random tokens, half rewarded: completions
-    of `tokens` tokens, or of `shortest` to `tokens` (uniformly drawn) if given."""
+    of `tokens` tokens, or of `shortest` to `tokens` (uniformly drawn) if given.
+
+    Token ids are drawn from 1 to vocab - 1. Id 0 is the character tokenizer's padding,
+    whose embedding row a random model holds at zero. A prompt that starts with it
+    keeps an all-zero hidden state through every layer, where RMSNorm's backward
+    multiplies the gradient by 1/sqrt(eps) at each norm: the gradient norm overflows."""
     rng = random.Random(0)
     return [
         Episode(
@@ -64,9 +74,9 @@ def random_episodes(
             sample_index=i % samples,
             prompt="12+34=",
             completion="",
-            prompt_token_ids=[rng.randrange(vocab) for _ in range(8)],
+            prompt_token_ids=[rng.randrange(1, vocab) for _ in range(8)],
             completion_token_ids=[
-                rng.randrange(vocab) for _ in range(rng.randint(shortest or tokens, tokens))
+                rng.randrange(1, vocab) for _ in range(rng.randint(shortest or tokens, tokens))
             ],
             rollout_logprobs=[],
             finish_reason="stop" if shortest else "length",
@@ -84,12 +94,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     model, params = random_model(args.size, args.tokens)
     torch.manual_seed(0)
     fused, apart = (
-        learner(model, args.episodes, args.tokens),
-        learner(model, args.episodes, args.tokens),
+        learner(model, args.episodes, args.tokens, args.device, args.dtype) for _ in range(2)
     )
     apart.fuse_old_logprobs = False
     assert fused.fuses_old_logprobs(args.episodes) and not apart.fuses_old_logprobs(args.episodes)
@@ -110,7 +121,8 @@ def main() -> None:
     )
     tokens = args.episodes * args.tokens
     print(f"{args.size} ({params / 1e6:.1f}M), {args.episodes} x {args.tokens} tokens, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} steps each")  # fmt: skip
+          f"{args.dtype} on {args.device}, torch threads {torch.get_num_threads()}, "
+          f"{args.repeats} steps each")  # fmt: skip
     for name, values in seconds.items():
         median = statistics.median(values)
         print(f"  {name:9s} {median:6.2f} s a step, {tokens / median:7.0f} tokens/s")

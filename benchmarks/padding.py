@@ -5,6 +5,8 @@ side by side in one process.
 
     python benchmarks/padding.py                        # 12.6M, 64 episodes of 8-256 tokens
     python benchmarks/padding.py --size 0.5M --episodes 256 --budget 4096
+    python benchmarks/padding.py --device cuda --dtype bfloat16 --size 100M --longest 2048 \
+        --budget 32768                                  # on a GPU machine
 
 The random-weight models of benchmarks/vs_trl.py. Completion lengths are drawn
 uniformly from --shortest to --longest tokens (a reasoning task's long tail), one update
@@ -34,11 +36,13 @@ from rlray.learner.rl import Learner
 
 def kinds(model: str, args: argparse.Namespace) -> dict[str, Learner]:
     """The three learners, on the same weights: padded, bucketed by rows, by tokens."""
-    padded = learner(model, args.episodes, args.longest)
+    padded, by_rows, by_tokens = (
+        learner(model, args.episodes, args.longest, args.device, args.dtype) for _ in range(3)
+    )
     padded.engine.buckets_by_length = False
-    by_rows = learner(model, args.episodes, args.longest)
     padded.engine.micro_batch_size = by_rows.engine.micro_batch_size = args.rows
-    by_tokens = learner(model, args.episodes, args.longest)
+    # Rows alone bound these two (the CPU's default token budget would split them too).
+    padded.engine.micro_batch_tokens = by_rows.engine.micro_batch_tokens = 0
     by_tokens.engine.micro_batch_tokens = args.budget
     return {
         f"padded, {padded.engine.micro_batch_size} rows": padded,
@@ -56,6 +60,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="micro_batch_size")
     parser.add_argument("--budget", type=int, default=4096, help="micro_batch_tokens")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     model, params = random_model(args.size, args.longest)
     torch.manual_seed(0)
@@ -63,15 +69,21 @@ def main() -> None:
     vocab = next(iter(learners.values())).limits.vocab_size
     seconds: dict[str, list[float]] = {name: [] for name in learners}
     padding: dict[str, float] = {}
+    peak_gib: dict[str, float] = dict.fromkeys(learners, 0.0)
     tokens = 0
     for repeat in range(args.repeats + 1):
         for name, one in learners.items():
             episodes = random_episodes(args.episodes, args.longest, vocab, 4, args.shortest)
             tokens = sum(len(e.prompt_token_ids) + len(e.completion_token_ids) for e in episodes)
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
-            metrics = one.train_step(episodes)
+            metrics = one.train_step(episodes)  # its metrics are floats: the step has ended
             if repeat:  # the first is warm-up
                 seconds[name].append(time.perf_counter() - started)
+            if args.device == "cuda":
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                peak_gib[name] = max(peak_gib[name], peak)
             padding[name] = metrics.learner_padding_tokens / metrics.learner_tokens_computed
     weights = [list(one.engine.policy.parameters()) for one in learners.values()]
     gap = max(
@@ -81,12 +93,14 @@ def main() -> None:
     )
     print(f"{args.size} ({params / 1e6:.1f}M), {args.episodes} episodes of "
           f"{args.shortest}-{args.longest} completion tokens, "
-          f"torch threads {torch.get_num_threads()}, {args.repeats} steps each")  # fmt: skip
+          f"{args.dtype} on {args.device}, torch threads {torch.get_num_threads()}, "
+          f"{args.repeats} steps each")  # fmt: skip
     base = statistics.median(next(iter(seconds.values())))
     for name, values in seconds.items():
         median = statistics.median(values)
+        memory = f", peak GPU memory {peak_gib[name]:.2f} GiB" if args.device == "cuda" else ""
         print(f"  {name:26s} {median:6.2f} s a step, {tokens / median:7.0f} tokens/s, "
-              f"padding {padding[name]:.0%}, {base / median:.2f}x")  # fmt: skip
+              f"padding {padding[name]:.0%}, {base / median:.2f}x{memory}")  # fmt: skip
     print(f"  largest weight difference after the steps {gap:.1e}")
 
 

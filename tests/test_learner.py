@@ -514,14 +514,19 @@ def test_bfloat16_trains_with_float32_master_weights(model_path, device):
     reference = make_learner(model_path, device, algorithm__advantage="grpo")
     episodes = episodes_for(reference, REWARDS)
     # bf16 arithmetic against fp32: the logprobs of the same weights differ a little.
+    # bf16 keeps 8 significant bits: a logit of 8 rounds by up to 0.03, and a token's
+    # logprob carries its logit's error and the normaliser's. The largest gap over the
+    # tokens was 0.045 on a 2-core Xeon and 0.064 on an H200 (2026-11-28), against a
+    # bound of 0.05 before; a learner that read other weights is off by far more.
+    tolerance = 0.1
     gap = max(
         abs(a - b)
         for x, y in zip(learner.logprobs(episodes), reference.logprobs(episodes), strict=True)
         for a, b in zip(x, y, strict=True)
     )
-    assert 0 < gap < 0.05
+    assert 0 < gap < tolerance
     # Parity against a float32 forward pass of the masters: the same bf16 gap.
-    assert_moves_toward_rewarded(learner, parity=0.05)
+    assert_moves_toward_rewarded(learner, parity=tolerance)
     assert all(p.dtype == torch.float32 for p in learner.engine.policy.parameters())
     state = learner.engine.optimizer.state_dict()["state"]
     assert all(s["exp_avg"].dtype == torch.float32 for s in state.values())
