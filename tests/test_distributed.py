@@ -157,6 +157,15 @@ def test_rows_go_longest_first_by_completion_then_prompt():
     assert dd.longest_first([3, 0], prompt, completion) == [0, 3]
 
 
+def test_a_groups_rows_stay_side_by_side_longest_group_first():
+    # Rows 0, 2, 4 share prompt 0 (completions 1, 6, 3); rows 1, 3 prompt 1 (5, 5);
+    # row 5 prompt 2 (6), a longer prompt than prompt 0's.
+    group, prompt = [0, 1, 0, 1, 0, 2], [2, 2, 2, 2, 2, 3]
+    completion = [1, 5, 6, 5, 3, 6]
+    assert dd.groups_together(range(6), group, prompt, completion) == [5, 2, 4, 0, 1, 3]
+    assert dd.groups_together([4, 1, 0], group, prompt, completion) == [1, 4, 0]
+
+
 def test_a_token_budget_bounds_each_micro_batch_with_its_padding():
     prompt, completion = [2, 2, 2, 2, 2], [20, 10, 5, 4, 1]
     # Row 0 (22 tokens) is over the budget: alone. Row 1 (12): alone, as 2 x 12 > 16.

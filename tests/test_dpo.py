@@ -87,9 +87,11 @@ def test_the_updates_gradient_is_the_dpo_losss_gradient(model_path, loss):
     got = gradients(engine.policy)
     assert got.keys() == want.keys()
     for name, value in want.items():
-        # Summation order moves a few tiny elements: by up to 3e-8 on an AVX2 machine,
-        # 2.3e-7 on an AVX-512 one (measured), where the median gradient is 1.3e-2.
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6)
+        # Summation order moves a few tiny elements, where the median gradient is 1.3e-2:
+        # with every row run whole, by up to 3e-8 on an AVX2 machine and 2.3e-7 on an
+        # AVX-512 one; by up to 1.6e-6 (AVX-512) now that a pair's prompt runs once for
+        # both of its rows where a micro-batch holds both (engine.shared_prompts).
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
@@ -173,7 +175,11 @@ def test_a_group_of_two_learners_takes_the_steps_one_learner_takes(dpo_runs):
     single, group = records_of(dpo_runs["single"])[:4], records_of(dpo_runs["group"])
     assert [r["step"] for r in group] == [1, 2, 3, 4]
     for want, got in zip(single, group, strict=True):
-        for key in ("loss", "reward_margin", "accuracy", "grad_norm"):
+        # At step 1 the policy is its reference and every margin is rounding (|h| of
+        # 1e-8): which pairs count as ranked then depends on the order of summation,
+        # which differs where one learner runs each pair's prompt once for both rows.
+        keys = ("loss", "reward_margin", "grad_norm") + (("accuracy",) if want["step"] > 1 else ())
+        for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
     evaluation, wanted = group[3]["eval"], single[3]["eval"]
     for key in ("pairs/loss", "pairs/reward_margin", "pairs/accuracy"):

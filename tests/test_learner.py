@@ -19,7 +19,7 @@ from rlray.core.idle_cores import CoreLender, IdleCores
 from rlray.core.parity import parity_gap
 from rlray.data.models import resolve_model_path
 from rlray.learner.distributed import decoder_layers
-from rlray.learner.engine import Outputs, collate
+from rlray.learner.engine import Outputs, collate, shared_prompts
 from rlray.learner.rl import Learner
 
 PROMPT = "12+34="
@@ -426,6 +426,104 @@ def test_token_budget_micro_batches_give_the_padded_batchs_gradient(
         )
     assert largest > 1e-3  # a real gradient
     assert_same_policy(learners[0], learners[64])
+
+
+def test_rows_that_share_a_prompt_are_found_when_that_saves_enough():
+    # Three rows of [1, 2, 3] and one of [4], left-padded to 3 columns with pad id 0.
+    batch = collate([[1, 2, 3], [4], [1, 2, 3], [1, 2, 3]], [[5], [6], [7], [8]], 0)
+    shared = shared_prompts(batch)
+    assert shared is not None
+    assert sorted(shared.firsts.tolist()) == [0, 1]
+    assert shared.firsts[shared.of_row].tolist() == [0, 1, 0, 0]
+    # A prompt that begins with the pad id is not its shorter, padded neighbour.
+    batch = collate([[0, 5], [5], [0, 5], [5]], [[6], [6], [7], [7]], 0)
+    shared = shared_prompts(batch)
+    assert shared is not None and shared.firsts[shared.of_row].tolist() == [0, 1, 0, 1]
+    # Long completions after a short shared prompt: a quarter of the positions is not
+    # saved (3 of 4 prompts of 2 columns, against 4 rows of 10 columns).
+    assert shared_prompts(collate([[1, 2]] * 4, [[5] * 8] * 4, 0)) is None
+    assert shared_prompts(collate([[1, 2], [3, 4]], [[5], [6]], 0)) is None
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum"])
+def test_a_prompt_run_once_for_its_group_gives_the_same_logprobs_and_gradient(
+    model_path, device, aggregation
+):
+    """Each distinct prompt of a micro-batch runs once and its rows read its keys and
+    values: the logprobs, the gradient and the update are those of every row run whole,
+    and the learner counts the positions it computed."""
+    learners = {
+        share: make_learner(
+            model_path,
+            device,
+            algorithm__advantage="grpo",
+            algorithm__loss_aggregation=aggregation,
+            learner__epochs=1,
+            learner__episodes_per_step=8,
+            learner__minibatch_size=8,
+            learner__micro_batch_size=8,
+        )
+        for share in (False, True)
+    }
+    learners[False].engine.share_prompts = False
+    assert learners[True].engine.share_prompts
+
+    def episodes(learner: Learner) -> list[Episode]:  # two prompts of unequal lengths
+        return episodes_for(learner, REWARDS) + episodes_for(
+            learner, {"5": 1.0, "13": 0.0, "4": 0.0, "22": 0.5}, prompt="2+3=", prompt_index=1
+        )
+
+    logprobs = {share: learner.logprobs(episodes(learner)) for share, learner in learners.items()}
+    # Float summation order only: at most 1.4e-6 measured (AVX-512), against the 1e-5 of
+    # the parity check; a wrong key, value or position moves a logprob by tenths.
+    for whole, shared in zip(logprobs[False], logprobs[True], strict=True):
+        torch.testing.assert_close(torch.tensor(shared), torch.tensor(whole), atol=1e-5, rtol=0)
+    steps = {}
+    gradients = {}
+    for share, learner in learners.items():
+        update = learner.engine._optimizer_step
+        gradients[share] = {}
+
+        def read_then_update(learner=learner, share=share, update=update) -> float:
+            for name, parameter in learner.engine.policy.named_parameters():
+                gradients[share][name] = parameter.grad.clone()
+            return update()
+
+        learner.engine._optimizer_step = read_then_update
+        steps[share] = learner.train_step(episodes(learner))
+    largest = max(g.abs().max().item() for g in gradients[False].values())
+    assert largest > 1e-3  # a real gradient
+    for name, whole in gradients[False].items():
+        torch.testing.assert_close(
+            gradients[True][name], whole, atol=1e-6 * max(1.0, largest), rtol=1e-5, msg=name
+        )
+    assert_same_policy(learners[False], learners[True])
+    # One pass (fused) over one micro-batch of 8 rows of 6 prompt and 3 completion
+    # columns: 72 positions whole; 2 x 6 + 8 x 3 = 36 with each prompt once. Padding:
+    # "2+3=" is 2 short of "12+34=" (in 4 rows, or once), 2 completions 1 short of 3.
+    assert (steps[False].learner_tokens_computed, steps[False].learner_padding_tokens) == (72, 10)
+    assert (steps[True].learner_tokens_computed, steps[True].learner_padding_tokens) == (36, 4)
+
+
+def test_micro_batches_hold_whole_groups_when_their_prompts_are_shared(model_path, device):
+    learner = make_learner(
+        model_path,
+        device,
+        algorithm__advantage="grpo",
+        learner__epochs=1,
+        learner__episodes_per_step=8,
+        learner__minibatch_size=8,
+        learner__micro_batch_size=4,
+    )
+    # Completions of 3 and 2 tokens in both groups: ordered by length alone, each
+    # micro-batch would mix the two prompts.
+    episodes = episodes_for(learner, {"46": 1.0, "5": 0.0, "57": 0.0, "4": 0.0}) + episodes_for(
+        learner, {"13": 1.0, "22": 0.0, "4": 0.0, "31": 0.5}, prompt="2+3=", prompt_index=1
+    )
+    step = learner.train_step(episodes)
+    # One pass (fused), a micro-batch a group: 6 + 4 x 3 for "12+34=", 4 + 4 x 3 for
+    # "2+3=" (mixed: 2 x 6 + 4 x 3 each, 48 in all).
+    assert step.learner_tokens_computed == 18 + 16
 
 
 def test_a_step_reports_the_padding_its_learner_computed(model_path, device):

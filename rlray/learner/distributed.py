@@ -162,6 +162,19 @@ def longest_first(
     return sorted(rows, key=lambda r: (-completion[r], -prompt[r], r))
 
 
+def groups_together(
+    rows: Sequence[int], group: Sequence[int], prompt: Sequence[int], completion: Sequence[int]
+) -> list[int]:
+    """Returns `rows` with the rows of each group (one prompt's samples) side by side, so
+    that a micro-batch holds whole groups and runs each prompt once (shared_prompts in
+    rlray/learner/engine.py): groups by their longest completion, then prompt length,
+    longest first; a group's rows longest first (equals in row order)."""
+    longest: dict[int, int] = {}
+    for r in rows:
+        longest[group[r]] = max(longest.get(group[r], 0), completion[r])
+    return sorted(rows, key=lambda r: (-longest[group[r]], -prompt[r], group[r], -completion[r], r))
+
+
 def token_budget_batches(
     rows: Sequence[int],
     prompt: Sequence[int],

@@ -23,6 +23,14 @@ Padding: a micro-batch holds rows of like lengths (longest first) and runs on it
 columns only (TokenBatch.trimmed), so a short row is padded to the longest of its
 micro-batch, not of the batch; `token_counts` says how much padding is left.
 
+Shared prompts: where a group's samples share a prompt and running each prompt once
+saves a quarter of the positions or more (`shared_prompts`: short completions, or long
+prompts), a micro-batch holds whole groups, runs each distinct prompt once with a KV
+cache, and runs every row's completion on a copy of its prompt's keys and values. The
+copy is differentiable, so the logprobs and the gradient are those of whole rows (to
+float rounding, `tests/test_learner.py`). Not with gradient checkpointing, compiled
+layers or a learner group.
+
 bfloat16: weights and optimizer state stay float32; forward and backward passes run
 under autocast in bfloat16, and the rollout workers get bfloat16 copies.
 
@@ -175,6 +183,30 @@ def collate(
 
 
 @dataclass
+class SharedPrompts:
+    """The distinct prompts of a micro-batch's rows: each runs once, and the rows that
+    share it read its keys and values (Engine.share_prompts)."""
+
+    firsts: torch.Tensor  # (U,) the first row of each distinct prompt
+    of_row: torch.Tensor  # (B,) each row's index into `firsts`
+
+
+def shared_prompts(batch: TokenBatch) -> SharedPrompts | None:
+    """Returns the batch's distinct prompts when running each once saves at least a
+    quarter of its token positions (a group's samples share one prompt), else None."""
+    prompt_columns = batch.input_ids.shape[1] - batch.completion_columns
+    present = batch.attention_mask[:, :prompt_columns].bool()
+    # Padding counts as -1, so that a prompt that begins with the pad id is its own.
+    keys = batch.input_ids[:, :prompt_columns].masked_fill(~present, -1)
+    distinct, of_row = torch.unique(keys, dim=0, return_inverse=True)
+    if 4 * (batch.size - len(distinct)) * prompt_columns < batch.input_ids.numel():
+        return None
+    rows = torch.arange(batch.size, device=of_row.device)
+    firsts = torch.full_like(rows[: len(distinct)], batch.size)
+    return SharedPrompts(firsts.scatter_reduce(0, of_row, rows, "amin"), of_row)
+
+
+@dataclass
 class Outputs:
     """Per-token outputs of a forward pass over a batch's completion tokens, (B, T) each."""
 
@@ -216,10 +248,21 @@ class TokenCounts:
     borrowed: int = 0
     """Of those computed, the ones computed with cores lent (Engine's `lent_cores`)."""
 
-    def add(self, micro: TokenBatch, lent_cores: int = 0) -> None:
-        computed = micro.input_ids.numel()
+    def add(
+        self, micro: TokenBatch, lent_cores: int = 0, shared: SharedPrompts | None = None
+    ) -> None:
+        """Counts one micro-batch's positions; with `shared`, each distinct prompt once."""
+        present = micro.attention_mask
+        if shared is not None:
+            prompt_columns = micro.input_ids.shape[1] - micro.completion_columns
+            prompts, completions = (
+                present[shared.firsts, :prompt_columns],
+                present[:, prompt_columns:],
+            )
+            present = torch.cat([prompts.flatten(), completions.flatten()])
+        computed = present.numel()
         self.computed += computed
-        self.padding += computed - int(micro.attention_mask.sum())
+        self.padding += computed - int(present.sum())
         self.borrowed += computed if lent_cores else 0
 
 
@@ -316,6 +359,10 @@ class Engine:
         self.rank, self.world_size = dd.rank_and_size()
         if self.world_size > 1:
             self._shard()
+        self.share_prompts = not (gradient_checkpointing or compile_layers or self.world_size > 1)
+        """Whether a micro-batch runs each distinct prompt once (shared_prompts): not with
+        gradient checkpointing (which turns the KV cache off), compiled layers (traced
+        without a cache) or a sharded model (one forward pass per backward pass)."""
         groups = [{"params": self.trainable_parameters(), "lr": lr}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": critic_lr})
@@ -370,15 +417,49 @@ class Engine:
         """Returns (B, T, V) float32 logits at the positions that predict each completion
         token, divided by `temperature` (None: the sampling temperature); no other
         position's logits exist."""
-        steps = batch.completion_columns
-        logits = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            logits_to_keep=steps + 1,
-            use_cache=False,  # one pass over whole sequences: a KV cache is built for nothing
-        ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
+        shared = self._shared_prompts(batch)
+        if shared is None:
+            logits = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                logits_to_keep=batch.completion_columns + 1,
+                use_cache=False,  # one pass over whole sequences: a KV cache is built for nothing
+            ).logits[:, :-1]  # (B, T, V): column P - 1 + t predicts completion token t
+        else:
+            logits = self._logits_after_shared_prompts(model, batch, shared)
         return logits.float() / (self.temperature if temperature is None else temperature)
+
+    def _shared_prompts(self, batch: TokenBatch) -> SharedPrompts | None:
+        return shared_prompts(batch) if self.share_prompts else None
+
+    def _logits_after_shared_prompts(
+        self, model: nn.Module, batch: TokenBatch, shared: SharedPrompts
+    ) -> torch.Tensor:
+        """The (B, T, V) logits of `_completion_logits`, each distinct prompt run once:
+        its keys and values are copied to the rows that share it (a copy autograd
+        follows, so the gradient is the same sum over the rows), then every row's
+        completion runs on top of them."""
+        prompt_columns = batch.input_ids.shape[1] - batch.completion_columns
+        firsts, prompt = shared.firsts, slice(None, prompt_columns)
+        ran = model(
+            input_ids=batch.input_ids[firsts, prompt],
+            attention_mask=batch.attention_mask[firsts, prompt],
+            position_ids=batch.position_ids[firsts, prompt],
+            logits_to_keep=1,  # the last prompt position predicts the first completion token
+            use_cache=True,
+        )
+        cache = ran.past_key_values
+        cache.batch_select_indices(shared.of_row)
+        completions = slice(prompt_columns, None)
+        rest = model(
+            input_ids=batch.input_ids[:, completions],
+            attention_mask=batch.attention_mask,  # prompt and completion columns
+            position_ids=batch.position_ids[:, completions],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, :-1]  # completion column t predicts token t + 1; the last predicts none
+        return torch.cat([ran.logits[shared.of_row], rest], dim=1)
 
     def forward(self, batch: TokenBatch, entropy_grad: bool = False) -> Outputs:
         """Returns the policy's logprobs and entropy (and the critic's values) of one
@@ -454,7 +535,7 @@ class Engine:
                 rows_fn(self._micro(batch, rows[:1]))
                 continue
             micro = self._micro(batch, micro_rows)
-            self.token_counts.add(micro, self.cores_lent_now)
+            self.token_counts.add(micro, self.cores_lent_now, self._shared_prompts(micro))
             outputs = {k: widen(v, columns).to(travel) for k, v in rows_fn(micro).items()}
             own.append((micro_rows.to(travel), outputs))
         result: dict[str, torch.Tensor] = {}
@@ -480,7 +561,12 @@ class Engine:
         lengths = [p + c for p, c in zip(prompt, completion, strict=True)]
         owned = dd.split_by_tokens(lengths, self.world_size)
         if self.buckets_by_length:
-            owned = [dd.longest_first(o, prompt, completion) for o in owned]
+            shared = self._shared_prompts(batch.rows(rows))
+            if shared is None:
+                owned = [dd.longest_first(o, prompt, completion) for o in owned]
+            else:  # whole groups in a micro-batch: each of their prompts runs once
+                groups = shared.of_row.tolist()
+                owned = [dd.groups_together(o, groups, prompt, completion) for o in owned]
         if self.micro_batch_tokens:
             split = [
                 dd.token_budget_batches(
@@ -549,7 +635,8 @@ class Engine:
                     rows = minibatch[:1] if idle else rows
                     micro = self._micro(batch, rows)
                     if not idle:
-                        self.token_counts.add(micro, self.cores_lent_now)
+                        shared = self._shared_prompts(micro)  # as forward() will
+                        self.token_counts.add(micro, self.cores_lent_now, shared)
                     outputs = self.forward(micro, entropy_grad).widened(batch.completion_columns)
                     loss, metrics = loss_fn(outputs, rows, totals)
                     (loss * 0.0 if idle else loss).backward()
