@@ -443,13 +443,15 @@ class LearnerConfig:
     """Gradient clipping norm."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory,
-    about a third more compute)."""
+    about a third more compute). It also runs every row's prompt, where a group's
+    samples would otherwise share one pass over it (the KV cache is off)."""
     compile: bool = False
     """Compile each decoder layer of the learner's models with torch.compile (inductor):
     on CPU a step of a 12.6M model took a fifth to a quarter less time (BENCHMARKS.md),
     after about 10-30 s of compilation at the first step (and again at the first pass
     without gradients). A model as small as the default's gains less than it costs.
-    One learner only (learner.num_workers 1)."""
+    One learner only (learner.num_workers 1). Compiled layers run every row's prompt,
+    where a group's samples would otherwise share one pass over it."""
     sync_every: int = positive(1)
     """Publish weights to the rollout workers every this many learner steps."""
     eval_every: int = positive(10)
