@@ -13,6 +13,7 @@ so a weight that does not arrive (or arrives stale) shows up as a logprob gap.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import warnings
 from pathlib import Path
@@ -36,7 +37,7 @@ from rlray.weights.packing import (
 )
 from rlray.weights.transfer import PolicySource, TransferSender
 from tests.conftest import free_port
-from tests.rollout_host import RolloutHost, rollout_actor
+from tests.rollout_host import ROLLOUT, RolloutHost, rollout_actor
 
 ARCHITECTURES = {
     # name: (transformers config class, its fields beyond the shared ones)
@@ -231,6 +232,24 @@ def engine_dtype(actor) -> torch.dtype:
     return ray.get(actor.__ray_call__.remote(first_parameter_dtype), timeout=60)
 
 
+def engine_matmuls(actor) -> set[str]:
+    """Returns how the engine's linear layers multiply: "torch" where a layer keeps its
+    weights as loaded, "onednn" where vLLM packed them away into a oneDNN matmul."""
+
+    def kinds(host: RolloutHost) -> set[str]:
+        def of_model(worker) -> set[str]:
+            layers = [
+                m
+                for m in worker.get_model().modules()
+                if type(getattr(m, "quant_method", None)).__name__ == "UnquantizedLinearMethod"
+            ]
+            return {"onednn" if m.weight.numel() == 0 else "torch" for m in layers}
+
+        return host.rollout.llm.collective_rpc(of_model)[0]
+
+    return ray.get(actor.__ray_call__.remote(kinds), timeout=60)
+
+
 def check_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance: float) -> None:
     """Trains the weights far, syncs, and compares vLLM's logprobs with HF's, three times:
     through the object store, then twice through vLLM's weight transfer (gloo), which
@@ -268,7 +287,35 @@ def test_synced_weights_reproduce_hf_logprobs_in_float32(rollout_host, tmp_path,
     model = build_model(kind, tmp_path / kind)
     with rollout_actor(rollout_host, tmp_path / kind, "float32") as actor:
         assert engine_dtype(actor) == torch.float32
+        # rollout.cpu_matmul auto: these models are far under 16 MiB of weights
+        assert engine_matmuls(actor) == {"torch"}
         check_syncs(actor, model, torch.float32, tolerance=1e-4)
+        assert engine_matmuls(actor) == {"torch"}  # weight loads keep them so
+
+
+def test_cpu_matmul_auto_chooses_torch_for_small_weights():
+    from rlray.rollout.worker import TORCH_MATMUL_BELOW_WEIGHT_BYTES as limit
+    from rlray.rollout.worker import torch_cpu_matmul
+
+    auto = ROLLOUT
+    assert torch_cpu_matmul(auto, 2 * 2**20)
+    assert torch_cpu_matmul(auto, limit - 1)
+    assert not torch_cpu_matmul(auto, limit)
+    assert not torch_cpu_matmul(auto, None)  # a hub name: its size is not read
+    for size in (2 * 2**20, limit, None):  # a setting other than auto holds at any size
+        assert torch_cpu_matmul(dataclasses.replace(auto, cpu_matmul="torch"), size)
+        assert not torch_cpu_matmul(dataclasses.replace(auto, cpu_matmul="onednn"), size)
+
+
+@pytest.mark.slow
+def test_synced_weights_reproduce_hf_logprobs_with_onednn_matmuls(rollout_host, tmp_path):
+    # vLLM's own CPU matmuls, which pack each layer's weights again at every weight load.
+    model = build_model("qwen2-tied", tmp_path / "qwen2")
+    rollout = dataclasses.replace(ROLLOUT, cpu_matmul="onednn")
+    with rollout_actor(rollout_host, tmp_path / "qwen2", "float32", rollout=rollout) as actor:
+        assert engine_matmuls(actor) == {"onednn"}
+        check_syncs(actor, model, torch.float32, tolerance=1e-4)
+        assert engine_matmuls(actor) == {"onednn"}
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ RolePlacement = Literal["disaggregated", "colocated"]
 KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
 RolloutCorrection = Literal["token", "sequence", "geometric", "off"]
+CpuMatmul = Literal["auto", "onednn", "torch"]
 
 
 # ---------------------------------------------------------------- ranges
@@ -211,6 +212,14 @@ class RolloutConfig:
     """Share of GPU memory a GPU rollout worker's vLLM engine may take."""
     enforce_eager: bool = True
     """Skip vLLM graph compilation (on CPU it costs ~20 s at start for no speed-up)."""
+    cpu_matmul: CpuMatmul = "auto"
+    """How vLLM's CPU build multiplies by its linear layers' weights. onednn (vLLM's
+    own choice): each layer's weights packed into a oneDNN matmul, compiled for every
+    batch size it meets and packed again at every weight load. torch: torch's matmul on
+    the weights as loaded. auto: torch for models of under 16 MiB of weights, whose
+    batches meet new sizes after every load (the default job: loads a third faster,
+    0.06 GiB less, 1.0-1.26x the episodes/s), else onednn (BENCHMARKS.md, "vLLM's CPU
+    matmuls"). Ignored on GPU."""
     cpus_per_worker: float = non_negative(1.0)
     """CPUs reserved per rollout actor."""
     gpus_per_worker: float = non_negative(0.0)

@@ -119,6 +119,32 @@ def vllm_env(rollout: RolloutConfig) -> dict[str, str]:
     return env
 
 
+# Below this size of weights a CPU engine's matmuls are torch's (rollout.cpu_matmul auto):
+# compiling and packing oneDNN's costs more than it saves (BENCHMARKS.md).
+TORCH_MATMUL_BELOW_WEIGHT_BYTES = 16 * 2**20
+
+
+def torch_cpu_matmul(rollout: RolloutConfig, weight_bytes: int | None) -> bool:
+    """Whether a CPU engine's linear layers multiply with torch rather than oneDNN
+    (rollout.cpu_matmul), given the size of the model's weight files (None: unknown)."""
+    if rollout.cpu_matmul != "auto":
+        return rollout.cpu_matmul == "torch"
+    return weight_bytes is not None and weight_bytes < TORCH_MATMUL_BELOW_WEIGHT_BYTES
+
+
+def set_cpu_matmul(torch_matmul: bool) -> None:
+    """Has vLLM's CPU build set up the linear layers it loads from now on (each weight
+    load sets them up again) with torch's matmul, keeping their weights as loaded, or
+    with oneDNN's where it has it. Process-wide: one engine per process."""
+    import torch  # a rollout process's: imported with vLLM, after vllm_env is set
+    from vllm import _custom_ops  # as torch
+
+    # vLLM 0.32 reads this flag whenever it processes a layer's loaded weights, and falls
+    # back to torch's linear, weights kept, where oneDNN is missing.
+    has_onednn = hasattr(torch.ops._C, "create_onednn_mm_handler")
+    _custom_ops._supports_onednn = has_onednn and not torch_matmul
+
+
 # vLLM's CPU attention keeps KV in blocks of up to this many tokens (its CPU default;
 # the kernel takes multiples of 32). Passed explicitly so that kv_cache_bytes counts the
 # same blocks vLLM allocates.
@@ -243,6 +269,8 @@ class RolloutWorker:
             # KV computed by older weights stays in running requests; no new request may
             # find it in the prefix cache.
             engine_args["enable_prefix_caching"] = False
+        if rollout.gpus_per_worker == 0:
+            set_cpu_matmul(torch_cpu_matmul(rollout, weight_file_bytes(model_path)))
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
