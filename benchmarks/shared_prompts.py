@@ -4,6 +4,7 @@ in one process.
 
     python benchmarks/shared_prompts.py                    # the default task's shape
     python benchmarks/shared_prompts.py --micro-batch-size 256 --threads 2
+    python benchmarks/shared_prompts.py --micro-batch-sizes 64 256   # each prompt once, by rows
 
 The embedded tiny model and the default job's learner settings (one update a step,
 micro-batches of at most 64 episodes and 2048 tokens). A step is 64 prompts "a+b=" with
@@ -11,6 +12,8 @@ micro-batches of at most 64 episodes and 2048 tokens). A step is 64 prompts "a+b
 rewarded. Each repeat runs one step of each kind on the same episodes from the same
 weights, in turn; the first repeat is warm-up. Prints the median seconds of each, the
 positions its learner computed, and the largest weight difference after the steps.
+With --micro-batch-sizes, each prompt runs once and the kinds are micro-batches of at
+most that many episodes (and 2048 tokens), against the first.
 """
 
 from __future__ import annotations
@@ -77,16 +80,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the learner's)")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", help="compare these")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kinds = {"each prompt once": default_learner(args.micro_batch_size)}
-    kinds["every row whole"] = default_learner(args.micro_batch_size)
-    kinds["every row whole"].engine.share_prompts = False
+    if args.micro_batch_sizes:
+        sizes = args.micro_batch_sizes
+        kinds = {f"at most {n} episodes": default_learner(n) for n in sizes}
+        base_name, bound = next(iter(kinds)), "/".join(map(str, sizes))
+    else:
+        kinds = {"each prompt once": default_learner(args.micro_batch_size)}
+        kinds["every row whole"] = default_learner(args.micro_batch_size)
+        kinds["every row whole"].engine.share_prompts = False
+        base_name, bound = "every row whole", str(args.micro_batch_size)
     seconds: dict[str, list[float]] = {name: [] for name in kinds}
     computed: dict[str, int] = {}
     for repeat in range(args.repeats + 1):
-        step = default_task_step(kinds["each prompt once"].tokenizer, random.Random(repeat))
+        step = default_task_step(next(iter(kinds.values())).tokenizer, random.Random(repeat))
         for name, one in kinds.items():
             started = time.perf_counter()
             metrics = one.train_step([dataclasses.replace(e) for e in step])
@@ -98,12 +108,12 @@ def main() -> None:
         for a, b in zip(*(one.engine.policy.parameters() for one in kinds.values()), strict=True)
     )
     print(f"{PROMPTS} prompts x {SAMPLES} samples a step, micro-batches of at most "
-          f"{args.micro_batch_size} episodes, torch threads {args.threads}, "
+          f"{bound} episodes and 2048 tokens, torch threads {args.threads}, "
           f"{args.repeats} steps each")  # fmt: skip
-    base = statistics.median(seconds["every row whole"])
+    base = statistics.median(seconds[base_name])
     for name, values in seconds.items():
         median = statistics.median(values)
-        print(f"  {name:17s} {median * 1000:6.1f} ms a step, {computed[name]} positions "
+        print(f"  {name:21s} {median * 1000:6.1f} ms a step, {computed[name]} positions "
               f"computed, {base / median:.2f}x")  # fmt: skip
     print(f"  largest weight difference after the steps {gap:.1e}")
 

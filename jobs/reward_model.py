@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.config import ConfigError, validate
 from rlray.config.command_line import parse_command_line
+from rlray.config.schema import MICRO_BATCH_ROWS
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.driver.plan import create_run_directory
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
         steps=steps,
         center_coef=preference.reward_model_center,
         max_grad_norm=learner.max_grad_norm,
-        micro_batch_size=learner.micro_batch_size,
+        micro_batch_size=learner.micro_batch_size or MICRO_BATCH_ROWS,  # no token bound here
         seed=config.seed,
     )
 

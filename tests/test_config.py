@@ -86,6 +86,25 @@ def test_the_micro_batch_token_budget_defaults_by_the_learners_device():
             assert parse_command_line(command).config.learner.micro_batch_token_budget == int(given)
 
 
+def test_the_micro_batch_rows_default_to_the_token_bound_alone_on_cpu():
+    def rows(*argv: str) -> int:
+        return parse_command_line(list(argv)).config.learner.micro_batch_rows
+
+    # CPU: the token budget binds alone (the mini-batch: every episode of a step).
+    assert rows() == 256
+    assert rows("--learner.minibatch_size", "128") == 128
+    # No token bound (GPUs, or micro_batch_tokens 0): 64, or the mini-batch if fewer.
+    assert rows("--learner.gpus", "1") == 64
+    assert rows("--learner.micro_batch_tokens", "0") == 64
+    assert rows("--learner.gpus", "1", "--learner.episodes_per_step", "32") == 32
+    for gpus in ("0", "1"):  # a size given is kept
+        assert rows("--learner.micro_batch_size", "16", "--learner.gpus", gpus) == 16
+    gpu_batch_of_96 = ["--learner.gpus", "1", "--rollout.prompts_per_batch", "24"]
+    gpu_batch_of_96 += ["--learner.episodes_per_step", "96"]
+    with pytest.raises(ConfigError, match=r"learner.micro_batch_size \(64\) must divide"):
+        validate(parse_command_line(gpu_batch_of_96).config)
+
+
 def test_lists_and_mappings_from_command_line_are_yaml():
     command = parse_command_line(
         [

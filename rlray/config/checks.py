@@ -260,10 +260,10 @@ def _batch_sizes(config: Config) -> None:
             f"learner.minibatch_size ({learner.minibatch_size}) must divide "
             f"learner.episodes_per_step ({learner.episodes_per_step})"
         )
-    if learner.minibatch_episodes % learner.micro_batch_size:
+    if learner.minibatch_episodes % learner.micro_batch_rows:
         whole = " (0: the step's episodes)" if learner.minibatch_size == 0 else ""
         raise ConfigError(
-            f"learner.micro_batch_size ({learner.micro_batch_size}) must divide "
+            f"learner.micro_batch_size ({learner.micro_batch_rows}) must divide "
             f"learner.minibatch_size ({learner.minibatch_episodes}{whole})"
         )
     if config.buffer.capacity_episodes < learner.episodes_per_step:

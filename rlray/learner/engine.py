@@ -166,18 +166,20 @@ def collate(
     the observation tokens between the turns of a multi-turn episode)."""
     width_prompt = max(len(p) for p in prompts)
     width_completion = max(max((len(c) for c in completions), default=0), 1)
-    batch = len(prompts)
-    input_ids = torch.full((batch, width_prompt + width_completion), pad_token_id)
-    attention = torch.zeros(batch, width_prompt + width_completion, dtype=torch.long)
-    completion_ids = torch.full((batch, width_completion), pad_token_id)
-    mask = torch.zeros(batch, width_completion)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        start = width_prompt - len(p)
-        input_ids[i, start : width_prompt + len(c)] = torch.tensor(p + c, dtype=torch.long)
-        attention[i, start : width_prompt + len(c)] = 1
-        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        policy_tokens = completion_masks[i] if completion_masks else None
-        mask[i, : len(c)] = torch.tensor(policy_tokens, dtype=mask.dtype) if policy_tokens else 1.0
+    masks = completion_masks or [[] for _ in completions]
+    # Rows padded as lists and converted once: a tensor per row costs more than the
+    # default task's whole step of tiny sequences takes to collate this way.
+    ids, present, completion_rows, mask_rows = [], [], [], []
+    for p, c, policy_tokens in zip(prompts, completions, masks, strict=True):
+        left, right = width_prompt - len(p), width_completion - len(c)
+        ids.append([pad_token_id] * left + p + c + [pad_token_id] * right)
+        present.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+        completion_rows.append(c + [pad_token_id] * right)
+        mask_rows.append((policy_tokens or [1] * len(c)) + [0] * right)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention = torch.tensor(present, dtype=torch.long)
+    completion_ids = torch.tensor(completion_rows, dtype=torch.long)
+    mask = torch.tensor(mask_rows, dtype=torch.get_default_dtype())
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return TokenBatch(input_ids, attention, position_ids, completion_ids, mask)
 

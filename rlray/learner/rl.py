@@ -105,7 +105,7 @@ class Learner:
             lr=learner.lr,
             critic_lr=learner.critic_lr,
             max_grad_norm=learner.max_grad_norm,
-            micro_batch_size=learner.micro_batch_size,
+            micro_batch_size=learner.micro_batch_rows,
             micro_batch_tokens=learner.micro_batch_token_budget,
             temperature=temperature,
             with_reference=self.algorithm.needs_reference,
@@ -152,13 +152,18 @@ class Learner:
 
     def _rollout_logprobs(self, episodes: list[Episode], steps: int) -> tuple[torch.Tensor, ...]:
         """Returns vLLM's (B, T) logprobs and which rows have them (posted episodes may not)."""
-        logprobs = torch.zeros(len(episodes), steps)
-        known = torch.zeros(len(episodes), dtype=torch.bool)
-        for i, e in enumerate(episodes):
-            if e.completion_token_ids and len(e.rollout_logprobs) == len(e.completion_token_ids):
-                logprobs[i, : len(e.rollout_logprobs)] = torch.tensor(e.rollout_logprobs)
-                known[i] = True
-        return logprobs.to(self.device), known.to(self.device)
+        rows, known = [], []
+        for e in episodes:
+            has = bool(e.completion_token_ids) and len(e.rollout_logprobs) == len(
+                e.completion_token_ids
+            )
+            logprobs = e.rollout_logprobs if has else []
+            rows.append(logprobs + [0.0] * (steps - len(logprobs)))
+            known.append(has)
+        return (
+            torch.tensor(rows, dtype=torch.float32, device=self.device),
+            torch.tensor(known, dtype=torch.bool, device=self.device),
+        )
 
     def logprobs(
         self, episodes: list[Episode], temperature: float | None = None
