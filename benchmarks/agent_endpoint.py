@@ -4,6 +4,7 @@ call to RolloutWorker.complete), side by side in one run.
 
     python benchmarks/agent_endpoint.py                     # 32 agents, 2 rounds
     python benchmarks/agent_endpoint.py --agents 64 --calls 4 --rounds 3
+    python benchmarks/agent_endpoint.py --cpu-matmul onednn  # vLLM's oneDNN matmuls
 
 One rollout actor and one agent endpoint actor, started as a run starts them, on the
 embedded model. Each agent plays the built-in arithmetic task's prompts: `--calls`
@@ -168,8 +169,15 @@ def main() -> int:
     parser.add_argument(
         "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="direct is always run"
     )
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=["auto", "onednn", "torch"],
+        default="auto",
+        help="rollout.cpu_matmul (auto: torch's for the embedded model)",
+    )
     args = parser.parse_args()
-    rollout_config = RolloutConfig(in_flight_updates=True)  # as agent.enabled starts it
+    # in-flight updates: as agent.enabled starts the rollout workers
+    rollout_config = RolloutConfig(in_flight_updates=True, cpu_matmul=args.cpu_matmul)
     model = resolve_model_path("builtin:tiny-arithmetic")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(address="local", num_cpus=2, log_to_driver=False)
