@@ -250,6 +250,12 @@ def engine_matmuls(actor) -> set[str]:
     return ray.get(actor.__ray_call__.remote(kinds), timeout=60)
 
 
+def loads_directly(actor) -> bool:
+    """Whether the actor's weight loads go straight into the engine's layers
+    (RolloutWorker.loads_directly) rather than through vLLM's in-place reload."""
+    return ray.get(actor.__ray_call__.remote(lambda host: host.rollout.loads_directly), timeout=60)
+
+
 def check_syncs(actor, model: PreTrainedModel, dtype: torch.dtype, tolerance: float) -> None:
     """Trains the weights far, syncs, and compares vLLM's logprobs with HF's, three times:
     through the object store, then twice through vLLM's weight transfer (gloo), which
@@ -289,6 +295,7 @@ def test_synced_weights_reproduce_hf_logprobs_in_float32(rollout_host, tmp_path,
         assert engine_dtype(actor) == torch.float32
         # rollout.cpu_matmul auto: these models are far under 16 MiB of weights
         assert engine_matmuls(actor) == {"torch"}
+        assert loads_directly(actor)  # the object store's sync below loads this way
         check_syncs(actor, model, torch.float32, tolerance=1e-4)
         assert engine_matmuls(actor) == {"torch"}  # weight loads keep them so
 
@@ -314,6 +321,7 @@ def test_synced_weights_reproduce_hf_logprobs_with_onednn_matmuls(rollout_host, 
     rollout = dataclasses.replace(ROLLOUT, cpu_matmul="onednn")
     with rollout_actor(rollout_host, tmp_path / "qwen2", "float32", rollout=rollout) as actor:
         assert engine_matmuls(actor) == {"onednn"}
+        assert not loads_directly(actor)  # packed layers: vLLM's reload packs them again
         check_syncs(actor, model, torch.float32, tolerance=1e-4)
         assert engine_matmuls(actor) == {"onednn"}
 

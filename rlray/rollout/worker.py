@@ -269,8 +269,15 @@ class RolloutWorker:
             # KV computed by older weights stays in running requests; no new request may
             # find it in the prefix cache.
             engine_args["enable_prefix_caching"] = False
+        self.loads_directly = rollout.gpus_per_worker == 0 and torch_cpu_matmul(
+            rollout, weight_file_bytes(model_path)
+        )
+        """Whether a weight load goes straight into the model's layers (load_weights): on
+        CPU with torch's matmuls every layer keeps its weights as loaded, so vLLM's
+        in-place reload, which restores and processes every layer around the load, has
+        nothing to do but costs 4-5x the load (BENCHMARKS.md "vLLM's CPU matmuls")."""
         if rollout.gpus_per_worker == 0:
-            set_cpu_matmul(torch_cpu_matmul(rollout, weight_file_bytes(model_path)))
+            set_cpu_matmul(self.loads_directly)
         self.llm = LLM(
             model=model_path,
             dtype=model.dtype,
@@ -822,7 +829,10 @@ class RolloutWorker:
         items = list(weights.items())
 
         def reload(worker) -> None:  # runs on vLLM's worker, in this process
-            worker.reload_weights(weights_iterator=iter(items))
+            if self.loads_directly:
+                worker.model_runner.get_model().load_weights(iter(items))
+            else:
+                worker.reload_weights(weights_iterator=iter(items))
 
         with self.loop.paused() as running:
             self.llm.collective_rpc(reload)
