@@ -282,6 +282,35 @@ def generate_carrying_turns(host) -> tuple:
     return first, last
 
 
+SHORT_CALL, LONG_CALL, CALLERS = 4, 12, 8
+
+
+def callers_sharing_steps(host) -> dict:
+    """Runs in the host's process: CALLERS agents' calls of one request each at once
+    (RolloutWorker.complete, each from its own thread), the first SHORT_CALL tokens and
+    stepping before the others start, the others LONG_CALL; returns the engine steps
+    they took, each call's tokens and the late hand-offs of the stepping."""
+    worker = host.rollout
+    loop = worker.loop
+    before, late = loop.steps, loop.late_handoffs
+
+    def call(tokens: int):
+        return lambda: worker.complete([5, 6, 7], 1, 1.0, tokens, [])
+
+    calls = [in_a_thread(call(SHORT_CALL))]
+    deadline = time.monotonic() + 60
+    while loop.steps == before and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    calls += [in_a_thread(call(LONG_CALL)) for _ in range(CALLERS - 1)]
+    for thread, _ in calls:
+        thread.join(timeout=120)
+    return {
+        "steps": loop.steps - before,
+        "tokens": [len(result["out"][0].token_ids) for _, result in calls],
+        "late_handoffs": loop.late_handoffs - late,
+    }
+
+
 @pytest.fixture(scope="module", params=["recompute", "keep"])
 def across_a_load(rollout_host, request, tmp_path_factory):
     embedded = Path(resolve_model_path(Config().model.path))
@@ -304,12 +333,13 @@ def across_a_load(rollout_host, request, tmp_path_factory):
             host.__ray_call__.remote(carry_trajectories_across_a_load, old, new), timeout=300
         )
         turn_calls = ray.get(host.__ray_call__.remote(generate_carrying_turns), timeout=300)
-        yield request.param, single, turns, (across, calls), (trajectories, turn_calls)
+        sharing = ray.get(host.__ray_call__.remote(callers_sharing_steps), timeout=300)
+        yield request.param, single, turns, (across, calls), (trajectories, turn_calls), sharing
 
 
 @pytest.mark.slow
 def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions(across_a_load):
-    _, (episodes, stats, steps_at_load, updates, _, _), _, _, _ = across_a_load
+    _, (episodes, stats, steps_at_load, updates, _, _), _, _, _, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     assert STEPS_BEFORE_LOAD <= steps_at_load < TOKENS and updates == 1
     # Every request was running at the load: its first token is version 0's, its last
@@ -321,7 +351,7 @@ def test_a_load_lands_between_engine_steps_and_the_episodes_record_both_versions
 
 @pytest.mark.slow
 def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys(across_a_load):
-    mode, (episodes, _, steps_at_load, _, with_new, with_old), _, _, _ = across_a_load
+    mode, (episodes, _, steps_at_load, _, with_new, with_old), _, _, _, _ = across_a_load
     # One step prefills each prompt and samples its first token; each later step one more
     # (the steps are counted with the engine held for the load, so the count is exact).
     split = steps_at_load
@@ -338,7 +368,7 @@ def test_tokens_before_the_load_are_the_old_policys_and_after_it_the_new_policys
 
 @pytest.mark.slow
 def test_a_multi_turn_episode_records_the_versions_of_its_first_and_last_turns(across_a_load):
-    _, _, episodes, _, _ = across_a_load
+    _, _, episodes, _, _, _ = across_a_load
     assert len(episodes) == len(ROWS) * ROLLOUT.samples_per_prompt
     for e in episodes:
         assert sum(s.kind == "model_call" for s in e.spans) == 3, e.spans
@@ -422,3 +452,16 @@ def test_generate_carrying_carries_trajectories_and_returns_each_once(across_a_l
     assert (last_stats.first_prompt_index, last_stats.carried_from) == (203, None)
     ids = [e.episode_id for e in first + last]
     assert len(set(ids)) == len(ids) == 4 * samples
+
+
+@pytest.mark.slow
+def test_callers_of_one_request_each_share_engine_steps_and_hand_the_stepping_on(across_a_load):
+    sharing = across_a_load[5]
+    # Every call ran to its max_tokens (the model has no end-of-sequence token).
+    assert sharing["tokens"] == [SHORT_CALL] + [LONG_CALL] * (CALLERS - 1)
+    # One step advances every caller's request: one at a time they would take
+    # SHORT_CALL + 7 x LONG_CALL = 88 steps.
+    assert sharing["steps"] < SHORT_CALL + 2 * LONG_CALL, sharing
+    # The first caller, stepping for all, ended first: the stepping went on at once to a
+    # caller it woke, never at a waiting caller's backstop.
+    assert sharing["late_handoffs"] == 0, sharing
