@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 from rlray.cluster.placement import role_resources
+from rlray.cluster.start import learners_build_while_engines_start
 from rlray.config import Config
 from tests.jobs_helper import REPO
 
@@ -212,3 +213,15 @@ def test_the_eight_gpu_line_of_the_docs_gives_each_rank_a_gpu_and_each_engine_a_
     # Every engine generates a batch of every step.
     batches = config.learner.episodes_per_step // config.rollout_batch_episodes
     assert batches == config.rollout.num_workers == 8
+
+
+def test_learners_build_while_engines_start_unless_both_are_on_gpus():
+    config = Config()
+    assert learners_build_while_engines_start(config)  # CPU: each on a core of its own
+    config.learner.gpus = 1
+    assert learners_build_while_engines_start(config)  # the engines on CPU
+    # An engine measures its GPU's free memory as it starts; a learner may share the GPU
+    # (fractional GPUs), so it builds after.
+    config.rollout.gpus_per_worker = 0.5
+    assert not learners_build_while_engines_start(config)
+    assert not learners_build_while_engines_start(tensor_parallel_config())

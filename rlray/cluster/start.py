@@ -315,8 +315,7 @@ def start_actors(
             else _start_learners(config, model_path, run_id, checkpoint, placement)
         )
     try:
-        setups = _start_setting_up(actors.learner, timeout) if actors.learner is not None else []
-        _wait_until_up(actors, setups, timeout)
+        _set_up(actors, config, timeout)
     except ActorFailure:
         actors.kill()
         raise
@@ -525,7 +524,7 @@ def start_preference_learners(
     rollout = _start_rollout_workers(config, names, model_path, run_id, None, placement)
     actors = Actors(rollout, names, [], [], None, learner=group, placement=placement)
     try:
-        _wait_until_up(actors, _start_setting_up(group, timeout), timeout)
+        _set_up(actors, config, timeout)
     except ActorFailure:
         actors.kill()
         raise
@@ -544,23 +543,37 @@ def _learner_kwargs(config: Config, device: str, checkpoint: str | None) -> dict
     }
 
 
+def _set_up(actors: Actors, config: Config, timeout_s: float) -> None:
+    """Waits, with a timeout each, until every actor is up and every learner has joined
+    its group and built its Learner. The learners build while the other actors start
+    (on CPU a rollout worker's engine takes one core for 10-15 s, mostly importing vLLM,
+    and a learner's build 5-7 s of another: a 1-step run reached its first evaluation
+    6-8 s sooner), except where both roles are on GPUs: an engine measures its GPU's
+    free memory as it starts, and a learner that shares the GPU must not hold part of
+    it yet."""
+    group = actors.learner
+    overlap = learners_build_while_engines_start(config)
+    setups = _start_setting_up(group, timeout_s) if group is not None and overlap else []
+    for name, handle in actors.all():
+        wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
+    if group is not None and not overlap:
+        setups = _start_setting_up(group, timeout_s)
+    for name, ref in setups:
+        wait_for(ref, name, "start-up", timeout_s)
+
+
+def learners_build_while_engines_start(config: Config) -> bool:
+    """Whether the learners build while the rollout engines start (`_set_up`): unless
+    both are on GPUs, where they may share one."""
+    return not (config.learner.gpus > 0 and config.rollout.gpus_per_worker > 0)
+
+
 def _start_setting_up(group: LearnerGroup, timeout_s: float) -> list[tuple[str, Any]]:
     """Has every learner join the group at rank 0's address and build its Learner;
-    returns each learner's (name, setup call) without waiting for them. The learners
-    build their models while the other actors start: a rollout worker's engine takes
-    one core for 10-15 s on CPU, and the learner's build another (measured: a short job
-    reached its first step 7 s sooner)."""
+    returns each learner's (name, setup call) without waiting for them."""
     address, port = wait_for(group.handles[0].rendezvous.remote(), "learner", "start-up", timeout_s)
     refs = [handle.setup.remote(address, port, timeout_s) for handle in group.handles]
     return list(zip(group.names, refs, strict=True))
-
-
-def _wait_until_up(actors: Actors, setups: list[tuple[str, Any]], timeout_s: float) -> None:
-    """Waits, with a timeout each, until every actor is up and every learner is set up."""
-    for name, handle in actors.all():
-        wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
-    for name, ref in setups:
-        wait_for(ref, name, "start-up", timeout_s)
 
 
 def _model_for_actors(config: Config, model_path: str) -> str:
