@@ -447,7 +447,7 @@ class LearnerConfig:
     measurement, BENCHMARKS.md "Default job": on CPU, micro-batches of about 2000 tokens
     trained a 12.6M model's step of 64 x 272 tokens 1.7x as fast as one of 64 episodes,
     and changed nothing on the default task, whose 64 episodes are fewer tokens; on an
-    H100 they trained a 138M model at half the speed of 64 such episodes at once).
+    H100 they trained a 138M model at a fifth of the speed of 64 such episodes at once).
     Either way a micro-batch holds episodes of like lengths and computes no column that
     all of them pad."""
     lr: float = positive(5e-5)
