@@ -71,6 +71,11 @@ def direct(rollout, prompts: list[list[int]], agents: int, calls: int, max_token
     return timed([call] * agents, calls)
 
 
+def joined(endpoint) -> tuple[int, int]:
+    """Returns (model calls, rollout actor calls) the endpoint made so far (JoinedCalls)."""
+    return ray.get(endpoint.__ray_call__.remote(lambda a: (a.joined.calls, a.joined.sent)))
+
+
 def through_endpoint(
     endpoint, url: str, pool, agents: int, calls: int, max_tokens: int, client: str
 ) -> tuple[int, float, list[float], float]:
@@ -230,9 +235,11 @@ def main() -> int:
     for role, actor in (("rollout", rollout), ("agent", endpoint)):
         processes[role] = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
     cpu = {name: dict.fromkeys(processes, 0.0) for name in totals}
+    actor_calls = {name: [0, 0] for name in totals}  # model calls, rollout actor calls
     for _ in range(args.rounds):
         for name, (client, pool) in paths.items():
             before = {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
+            joined_before = joined(endpoint)  # what the warm-up made
             if pool is None:
                 tokens, seconds, latencies = direct(
                     rollout, prompts, args.agents, args.calls, max_tokens
@@ -247,6 +254,16 @@ def main() -> int:
                 cpu[name]["client"] += client_cpu - (
                     sum(processes["client"].cpu_times()[:2]) - before["client"]
                 )
+            if pool is None:  # one actor call per model call
+                actor_calls[name][0] += len(latencies)
+                actor_calls[name][1] += len(latencies)
+            else:
+                (calls_after, sent_after), (calls_before, sent_before) = (
+                    joined(endpoint),
+                    joined_before,
+                )
+                actor_calls[name][0] += calls_after - calls_before
+                actor_calls[name][1] += sent_after - sent_before
             totals[name][0] += tokens
             totals[name][1] += seconds
             totals[name][2] += latencies
@@ -266,6 +283,8 @@ def main() -> int:
             f"{role} {seconds / len(latencies) * 1000:.1f}" for role, seconds in cpu[name].items()
         )
         print(f"{'':18s} CPU ms per call: {per_call}")
+        calls, sent = actor_calls[name]
+        print(f"{'':18s} {calls} model calls in {sent} rollout actor calls")
     d_median, d_p95 = totals["direct"][3]
     for name in list(paths)[1:]:
         e_median, e_p95 = totals[name][3]

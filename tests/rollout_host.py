@@ -55,6 +55,9 @@ class RolloutHost:
     def complete(self, *args: Any) -> Any:
         return self.rollout.complete(*args)
 
+    def complete_calls(self, calls: list) -> Any:
+        return self.rollout.complete_calls(calls)
+
     def load_published(self, published: Any) -> tuple[int, float]:
         # Ray resolved the object reference for this call, as it does for an actor's.
         return self.rollout.load_published(published)

@@ -120,7 +120,9 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
         ["--learner.steps", "50", "--reward.functions", rewards, "--run-dir", str(run_dir)], env
     )
     try:
-        wait_for_line(job, "eval  step    0")  # every actor is up
+        # Every actor is up. Anywhere in a line: Ray's forwarding thread writes an actor's
+        # line and its newline apart, and the driver's line can land between the two.
+        wait_for_line(job, "eval  step    0", anywhere=True)
         # An actor's output reaches the driver's console...
         wait_for_line(job, "my reward scored", anywhere=True)
         ray_processes = psutil.Process(job.pid).children(recursive=True)

@@ -17,7 +17,12 @@ import ray
 
 from rlray.agent.gateway import AgentGateway, CallLimits, EndpointBusy
 from rlray.agent.openai_api import Sampling
-from rlray.cluster.serving import EndpointUnavailable, ThreadedServer, remote_result
+from rlray.cluster.serving import (
+    EndpointUnavailable,
+    JoinedCalls,
+    ThreadedServer,
+    remote_result,
+)
 from rlray.config import AgentConfig, IngestConfig
 from rlray.core.episode import Episode, ModelLimits
 from rlray.core.prompt import PromptRow
@@ -31,7 +36,7 @@ from rlray.episodes.ingest import (
     make_app,
     store_key,
 )
-from rlray.rollout.sampling import Generated
+from rlray.rollout.sampling import Generated, ModelCall
 
 
 class IngestActor:
@@ -131,6 +136,7 @@ class AgentActor:
         # The rollout actors by name, not handles passed in: Ray keeps an actor's handle
         # arguments in the object store, which a restart could not count on.
         self.workers = [ray.get_actor(name) for name in worker_names]
+        self.joined = JoinedCalls(self._complete_calls)
         self.gateway = AgentGateway(
             token,
             load_tokenizer(model_path),
@@ -170,7 +176,7 @@ class AgentActor:
     async def _generate(
         self, worker: int, token_ids: list[int], sampling: Sampling, max_tokens: int
     ) -> list[Generated]:
-        call = self.workers[worker].complete.remote(
+        call = ModelCall(
             token_ids,
             sampling.n,
             sampling.temperature,
@@ -178,7 +184,11 @@ class AgentActor:
             list(sampling.stop),
             sampling.logprobs,
         )
+        return await self.joined.call(worker, call)
+
+    async def _complete_calls(self, worker: int, calls: list[ModelCall]) -> list[list[Generated]]:
+        """Samples the calls on the worker in one actor call (JoinedCalls)."""
         try:
-            return await remote_result(call)
+            return await remote_result(self.workers[worker].complete_calls.remote(calls))
         except EndpointUnavailable as err:
             raise EndpointBusy(str(err)) from None

@@ -28,6 +28,7 @@ from rlray.episodes.buffer import BufferedBatch, EpisodeBuffer, TakenBatches
 from rlray.episodes.store import mark_trained, open_store
 from rlray.observe.console import send_engine_output_to
 from rlray.rewards.worker import RewardWorker
+from rlray.rollout.sampling import Generated, ModelCall
 from rlray.rollout.worker import RolloutWorker
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ class RolloutActor(RolloutWorker):
         self._check_weights()
         with self._generating():
             return super().complete(*args, **kwargs)
+
+    def complete_calls(self, calls: list[ModelCall]) -> list[list[Generated]]:
+        self._check_weights()
+        with self._generating():
+            return super().complete_calls(calls)
 
     def eval_episodes(
         self, rows: list[PromptRow], samples: int = 0, temperature: float = 1.0, examples: int = 3

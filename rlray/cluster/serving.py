@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
 
 import ray
 from aiohttp import web
@@ -23,6 +24,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.cluster.calls import ActorRestarted
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
 class EndpointUnavailable(Exception):
@@ -92,3 +96,53 @@ async def remote_result(ref: Any) -> Any:
         if isinstance(err.cause, (ActorRestarted, RayActorError)):
             raise EndpointUnavailable("an actor of the run is restarting") from None
         raise
+
+
+class JoinedCalls(Generic[Item, Result]):
+    """Joins the calls that reach an event loop's turn together into one remote call per
+    key: `call(key, item)` queues the item and waits for its own result, and the items
+    of one key queued before the loop's next turn go out as `send(key, items)` (a result
+    per item, in order). A remote call's fixed cost (Ray's submission, the actor's
+    thread, the reply) is then paid once for all of them, not once each. Nothing waits
+    for more items than have come: a lone call goes out at the next turn."""
+
+    def __init__(self, send: Callable[[int, list[Item]], Awaitable[list[Result]]]):
+        self.send = send
+        self.queued: dict[int, list[tuple[Item, asyncio.Future]]] = {}
+        self.sending: set[asyncio.Task] = set()  # a task is only weakly held by its loop
+        self.calls = 0
+        self.sent = 0
+        """Calls made, and remote calls that carried them."""
+
+    async def call(self, key: int, item: Item) -> Result:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if key not in self.queued:
+            self.queued[key] = []
+            loop.call_soon(self._send_queued, key)
+        self.queued[key].append((item, future))
+        self.calls += 1
+        return await future
+
+    def _send_queued(self, key: int) -> None:
+        queued = self.queued.pop(key)
+        self.sent += 1
+        task = asyncio.ensure_future(self._send(key, queued))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+
+    async def _send(self, key: int, queued: list[tuple[Item, asyncio.Future]]) -> None:
+        try:
+            results = await self.send(key, [item for item, _ in queued])
+            if len(results) != len(queued):
+                raise RuntimeError(
+                    f"the remote call answered {len(results)} results for {len(queued)} calls"
+                )
+        except Exception as err:  # every caller of the batch hears it
+            for _, future in queued:
+                if not future.done():  # a caller gone (its client hung up) is cancelled
+                    future.set_exception(err)
+            return
+        for (_, future), result in zip(queued, results, strict=True):
+            if not future.done():
+                future.set_result(result)

@@ -36,6 +36,20 @@ def sampling_seed(run_seed: int, prompt_index: int, sample_index: int, turn: int
 
 
 @dataclass(frozen=True)
+class ModelCall:
+    """One agent's model call, as a rollout worker samples it (RolloutWorker.complete_calls)."""
+
+    prompt_token_ids: list[int]
+    n: int
+    temperature: float
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    """Stop strings of the call's own, on top of the run's (rollout.stop)."""
+    token_texts: bool = False
+    """Whether to give each sampled token's text (a response's logprobs)."""
+
+
+@dataclass(frozen=True)
 class Generated:
     """One sampled completion, exactly as the engine made it (an agent's model call)."""
 

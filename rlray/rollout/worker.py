@@ -37,7 +37,13 @@ from rlray.rollout.multiturn import (
     turn_limits,
 )
 from rlray.rollout.partial import PartialBatches, PartialTrajectories
-from rlray.rollout.sampling import Generated, request_params, sampling_seed, stop_settings
+from rlray.rollout.sampling import (
+    Generated,
+    ModelCall,
+    request_params,
+    sampling_seed,
+    stop_settings,
+)
 
 # vLLM must keep its engine in this process (a Ray actor), not fork its own.
 VLLM_ENV = {
@@ -495,24 +501,41 @@ class RolloutWorker:
         """Samples `n` completions of one prompt given as token ids (an agent's model call,
         rlray.agent): the exact ids and logprobs vLLM sampled, the text, and the policy
         versions of the call's first and last steps. The run's stop settings apply too."""
+        call = ModelCall(prompt_token_ids, n, temperature, max_tokens, stop, token_texts)
+        (choices,) = self.complete_calls([call])
+        return choices
+
+    def complete_calls(self, calls: list[ModelCall]) -> list[list[Generated]]:
+        """Samples several model calls in one engine session, as `complete` samples one:
+        the calls an endpoint received together, in one actor call instead of one each.
+        Returns each call's choices, in the order given, once every call ended."""
+        requests = [self._call_request(call) for call in calls]
+        outputs = self.loop.generate(requests)
+        return [
+            [
+                self._generated(c, versions, call.token_texts, params.detokenize)
+                for c in output.outputs
+            ]
+            for call, (_, _, params), (output, versions) in zip(
+                calls, requests, outputs, strict=True
+            )
+        ]
+
+    def _call_request(self, call: ModelCall) -> tuple[str, dict, Any]:
+        """Returns (request id, prompt, sampling params) of one model call."""
         settings = stop_settings(self.rollout)
-        stop_strings = settings["stop"] + list(stop)
+        stop_strings = settings["stop"] + list(call.stop)
         params = request_params(
-            n=n,
-            max_tokens=max_tokens,
-            temperature=temperature,
+            n=call.n,
+            max_tokens=call.max_tokens,
+            temperature=call.temperature,
             logprobs=0,
             stop=stop_strings,
             stop_token_ids=settings["stop_token_ids"],
             detokenize=bool(stop_strings),
         )
         request_id = f"call-{uuid.uuid4().hex[:12]}"
-        (output, versions), *_ = self.loop.generate(
-            [(request_id, {"prompt_token_ids": prompt_token_ids}, params)]
-        )
-        return [
-            self._generated(c, versions, token_texts, params.detokenize) for c in output.outputs
-        ]
+        return request_id, {"prompt_token_ids": call.prompt_token_ids}, params
 
     def _generated(
         self, completion: Any, versions: Versions, token_texts: bool, detokenized: bool
