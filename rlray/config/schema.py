@@ -353,7 +353,7 @@ class BufferConfig:
     """Drop episodes made by a policy more than this many learner updates behind the
     learner. 0 is strictly on-policy; >= 1 lets generation overlap training, with the
     rollout correction weighing stale tokens. The default 1 trained the default job in
-    30% less time to the same accuracy as 0 (3 seeds, BENCHMARKS.md)."""
+    27% less time to the same accuracy as 0 (61 against 84 s, 3 seeds, BENCHMARKS.md)."""
 
 
 @dataclass
