@@ -553,10 +553,12 @@ class EvalConfig:
     empty: no best checkpoint is kept."""
     beside_training: bool = True
     """In the disaggregated placement, an evaluation (but the last) runs beside the next
-    step's training, on rollout-0's idle time, instead of between the two steps: its
+    step's training, on rollout-0's time, instead of between the two steps: its
     metrics.jsonl line is written after that step, and its step's checkpoint, taken
     before the verdict, is kept only if the evaluation is the best (or the step is a
-    checkpoint's). false: every evaluation waits, as in the colocated placement."""
+    checkpoint's). false: every evaluation waits, as in the colocated placement. It
+    pays where the learner's step is long against generation; on the default job,
+    where rollout-0 hardly idles, neither gains nor costs (BENCHMARKS.md)."""
 
 
 @dataclass
