@@ -4,11 +4,14 @@ Same model (the embedded tiny model), same prompts, same sampling parameters
 (temperature 1, one logprob per sampled token, a seed per request), in one run:
 
   plain      vllm.LLM.generate in this process
-  worker     RolloutWorker.generate in this process (builds Episodes on top)
+  worker     RolloutWorker.generate in this process (builds Episodes on top); a
+             prompt's samples are one vLLM request of n
+  per-sample the same worker with one request a sample, as it samples when weights
+             may load while requests run (rollout.in_flight_updates)
   actor      RolloutWorker.generate in a Ray actor, timed from the driver, which
              waits for the small stats record only (episodes stay in the object store)
 
-The three are interleaved round by round so that machine noise hits each alike; the
+The four are interleaved round by round so that machine noise hits each alike; the
 script prints the median tokens/s of each and the ratios to plain. Goal: >= 0.9.
 
     python benchmarks/rollout_throughput.py [--rounds 7] [--prompts 64]
@@ -17,6 +20,7 @@ script prints the median tokens/s of each and the ratios to plain. Goal: >= 0.9.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -78,11 +82,20 @@ def main() -> None:
     def in_process() -> int:
         return worker.generate(rows, 0)[1].completion_tokens
 
+    one_each = dataclasses.replace(config.rollout, in_flight_updates=True)
+
+    def per_sample() -> int:
+        grouped, worker.rollout = worker.rollout, one_each
+        try:
+            return worker.generate(rows, 0)[1].completion_tokens
+        finally:
+            worker.rollout = grouped
+
     def in_actor() -> int:
         _, stats = actor.generate.options(num_returns=2).remote(rows, 0)
         return ray.get(stats, timeout=600).completion_tokens
 
-    runners = {"plain": plain, "worker": in_process, "actor": in_actor}
+    runners = {"plain": plain, "worker": in_process, "per-sample": per_sample, "actor": in_actor}
     for run in runners.values():  # warm-up: first calls pay one-time costs
         run()
     rates: dict[str, list[float]] = {name: [] for name in runners}
@@ -97,7 +110,7 @@ def main() -> None:
         f"new tokens, {args.rounds} rounds, median tokens/s:"
     )
     for name, value in medians.items():
-        print(f"  {name:<7} {value:9.0f} tokens/s   ratio to plain {value / medians['plain']:.3f}")
+        print(f"  {name:<10} {value:9.0f} tokens/s   ratio to plain {value / medians['plain']:.3f}")
     ray.shutdown()
 
 

@@ -297,3 +297,42 @@ def test_a_completion_decoded_at_its_end_reads_as_vllms_detokenizer_made_it(
         assert all(e.completion for e in decoded if len(e.completion_token_ids) > 1)
         reasons |= {e.finish_reason for e in decoded}
     assert reasons == {"stop", "length"}  # ended by a stop token, and cut
+
+
+def _samples(host, rows: list[PromptRow], one_request: bool) -> list:
+    """Runs in the host process: 4 samples of each row, a group one vLLM request of n
+    (one_request: as rollout.in_flight_updates false samples them) or one each."""
+    worker = host.rollout
+    worker.rollout = dataclasses.replace(
+        ROLLOUT, samples_per_prompt=4, in_flight_updates=not one_request
+    )
+    try:
+        return worker.generate(rows, 10)[0]
+    finally:
+        worker.rollout = ROLLOUT
+
+
+def test_a_group_sampled_as_one_request_draws_what_one_request_a_sample_draws(
+    embedded_rollout,
+):
+    import ray
+
+    rows = TEXT_ROWS + CHAT_ROWS
+    grouped, apart = (
+        ray.get(embedded_rollout.__ray_call__.remote(_samples, rows, one), timeout=300)
+        for one in (True, False)
+    )
+    assert [(e.prompt_index, e.sample_index) for e in grouped] == [
+        (10 + row, sample) for row in range(len(rows)) for sample in range(4)
+    ]
+    assert [(e.prompt_index, e.sample_index) for e in apart] == [
+        (e.prompt_index, e.sample_index) for e in grouped
+    ]
+    assert [e.completion_token_ids for e in grouped] == [e.completion_token_ids for e in apart]
+    assert [e.completion for e in grouped] == [e.completion for e in apart]
+    for one, other in zip(grouped, apart, strict=True):
+        assert one.rollout_logprobs == pytest.approx(other.rollout_logprobs, abs=1e-5)
+        assert one.episode_id.rsplit("-", 1)[0] == other.episode_id.rsplit("-", 1)[0]
+    # the samples differ: each drew with its own seed
+    assert len({tuple(e.completion_token_ids) for e in grouped}) > len(rows)
+    assert len({e.episode_id for e in grouped}) == len(grouped)

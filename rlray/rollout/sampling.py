@@ -30,9 +30,11 @@ def request_params(**settings: Any) -> Any:
 
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
     """Returns the per-request vLLM seed: sampling does not depend on batch composition,
-    and each turn of a trajectory draws anew."""
-    seed = run_seed * 1_000_003 + prompt_index * 131 + sample_index + TURN_SEED_STRIDE * turn
-    return seed % (2**31 - 1)
+    and each turn of a trajectory draws anew. A prompt's samples draw with consecutive
+    seeds, as vLLM seeds the samples of one request of n (the first's seed + i), so
+    that a group sampled as one request draws what its samples drew one request each."""
+    group = (run_seed * 1_000_003 + prompt_index * 131 + TURN_SEED_STRIDE * turn) % (2**31 - 1)
+    return group + sample_index
 
 
 @dataclass(frozen=True)

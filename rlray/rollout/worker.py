@@ -207,6 +207,7 @@ class SampleKey(NamedTuple):
     index: int
     """The prompt's index in the stream."""
     sample: int
+    """The sample index of the request's first completion (the others follow it)."""
     attempt: str
     """The generation attempt's tag (new_attempt)."""
 
@@ -379,14 +380,21 @@ class RolloutWorker:
             request
             for offset, row in enumerate(rows)
             for request in self._group_requests(
-                row, first_prompt_index + offset, samples, temperature, min_tokens, attempt
+                row,
+                first_prompt_index + offset,
+                samples,
+                temperature,
+                min_tokens,
+                attempt,
+                one_request=not self.rollout.in_flight_updates,
             )
         ]
         outputs = self.loop.generate([(rid, prompt, params) for rid, prompt, params, _ in requests])
         now = time.time()
         return [
-            self._episode(key, output, versions, now)
+            episode
             for (*_, key), (output, versions) in zip(requests, outputs, strict=True)
+            for episode in self._episodes(key, output, versions, now)
         ]
 
     def _group_requests(
@@ -397,26 +405,35 @@ class RolloutWorker:
         temperature: float,
         min_tokens: int,
         attempt: str,
+        one_request: bool = False,
     ) -> list[tuple[str, Any, Any, SampleKey]]:
-        """Returns (request id, prompt, sampling params, key) for each sample of the
-        stream's prompt `index`, in generation attempt `attempt` (new_attempt)."""
+        """Returns (request id, prompt, sampling params, key) of the stream's prompt
+        `index`'s samples, in generation attempt `attempt` (new_attempt): one request
+        each, or with `one_request` one request of `samples`: vLLM then takes in the
+        prompt once, not once a sample, and the samples draw the same tokens
+        (sampling_seed; BENCHMARKS.md, "Rollout throughput"). vLLM hands such a request's
+        samples over when the last ends, with the versions of the request's first and
+        last steps: each sample's own only where no weights load while requests run
+        (rollout.in_flight_updates false)."""
         rendered = self.render(row)
+        firsts = [0] if one_request else range(samples)
         return [
             (
-                f"{attempt}-{index}-{sample}",
+                f"{attempt}-{index}-{first}",
                 {"prompt_token_ids": rendered.token_ids},
                 request_params(
+                    n=samples if one_request else 1,
                     max_tokens=self.rollout.max_new_tokens,
                     min_tokens=min_tokens,
                     temperature=temperature,
                     logprobs=0,
-                    seed=sampling_seed(self.seed, index, sample),
+                    seed=sampling_seed(self.seed, index, first),
                     detokenize=self.detokenizes,
                     **stop_settings(self.rollout),
                 ),
-                SampleKey(row, rendered.text, index, sample, attempt),
+                SampleKey(row, rendered.text, index, first, attempt),
             )
-            for sample in range(samples)
+            for first in firsts
         ]
 
     def generate_carrying(
@@ -448,9 +465,10 @@ class RolloutWorker:
         groups = self.partial.take(indices, may_leave, carry_floor)
         now = time.time()
         episodes = [
-            self._episode(key, *group.outputs[rid], now)
+            episode
             for group in groups
             for rid, key in group.keys.items()
+            for episode in self._episodes(key, *group.outputs[rid], now)
         ]
         seconds = time.perf_counter() - started
         tokens = sum(len(e.completion_token_ids) for e in episodes)
@@ -702,17 +720,27 @@ class RolloutWorker:
             completion_mask=t.completion_mask,
         )
 
-    def _episode(self, key: SampleKey, output: Any, versions: Versions, now: float) -> Episode:
-        completion = output.outputs[0]
+    def _episodes(
+        self, key: SampleKey, output: Any, versions: Versions, now: float
+    ) -> list[Episode]:
+        """Returns the episode of each completion of a request's output."""
+        return [
+            self._episode(key, output, completion, versions, now) for completion in output.outputs
+        ]
+
+    def _episode(
+        self, key: SampleKey, output: Any, completion: Any, versions: Versions, now: float
+    ) -> Episode:
+        sample = key.sample + completion.index
         token_ids = list(completion.token_ids)
         logprobs = [
             step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)
         ]
         return Episode(
             run_id=self.run_id,
-            episode_id=f"{self.run_id}-{key.index}-{key.sample}-{key.attempt}",
+            episode_id=f"{self.run_id}-{key.index}-{sample}-{key.attempt}",
             prompt_index=key.index,
-            sample_index=key.sample,
+            sample_index=sample,
             prompt=key.prompt,
             completion=self._completion_text(completion, self.detokenizes),
             prompt_token_ids=list(output.prompt_token_ids),
