@@ -1,5 +1,6 @@
 """`python jobs/ppo.py` stopped from outside: a SIGTERM while its actors start is one line
-and exit 130, and a driver killed outright takes its local Ray with it."""
+and exit 130, a SIGTERM to its whole process group ends it, and a driver killed outright
+takes its local Ray with it."""
 
 from __future__ import annotations
 
@@ -144,3 +145,27 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
         assert left == [], [p.cmdline()[:1] for p in left]
     finally:
         job.kill()
+
+
+def test_a_sigterm_to_the_whole_process_group_ends_the_run_and_its_local_ray(tmp_path):
+    """`timeout`, `kill -- -PGID` and service managers signal every process of the group:
+    the raylet of the job's own Ray exits, its GCS does not, and the driver's removal of
+    its placement groups never returned (it hung there for good)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    run_dir = tmp_path / "run"
+    job = start_job(["--learner.steps", "100000", "--run-dir", str(run_dir)], env)
+    try:
+        wait_for_line(job, "step ", anywhere=True)  # training
+        ray_processes = psutil.Process(job.pid).children(recursive=True)
+        assert {"raylet", "gcs_server"} <= {p.name() for p in ray_processes}
+        os.killpg(job.pid, signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+        deadline = time.monotonic() + 10
+        while (left := [p for p in ray_processes if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    assert "interrupted; every episode so far is kept" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert left == [], [p.cmdline()[:1] for p in left]

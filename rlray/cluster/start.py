@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -121,15 +121,42 @@ class Actors:
         except ActorFailure as err:
             logger.warning("agents waiting for a task may not have heard the run ended: %s", err)
 
-    def kill(self) -> None:
+    def kill(self, release_timeout_s: float = 10.0) -> None:
         """Stops every actor (their names become free for the next run) and gives their
-        placement groups back."""
+        placement groups back. Ray's node on this machine may be gone (a SIGTERM sent to
+        the whole process group stops the raylet, not Ray's GCS, whose removal of a
+        placement group then never returns): a release that has not returned within
+        `release_timeout_s` is left behind, with a warning, and so is the wait for the
+        names."""
         for _, handle in self.all():
             ray.kill(handle, no_restart=True)
         if self.placement is not None:
-            self.placement.release()
+            released = _returns_within(self.placement.release, release_timeout_s)
             IdleCores(self.placement.run_id).remove()  # the board on this node
+            if not released:
+                logger.warning("the run's placement groups were not given back: Ray's node "
+                               "on this machine is gone or does not answer")  # fmt: skip
+                return
         _wait_until_names_free([name for name, _ in self.all()], timeout_s=60)
+
+
+def _returns_within(call: Callable[[], None], timeout_s: float) -> bool:
+    """Runs `call` in a daemon thread; returns whether it returned within timeout_s (an
+    error it raised is raised here). A call that does not return is left running."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as err:  # handed to the caller
+            errors.append(err)
+
+    thread = threading.Thread(target=run, name="bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    return not thread.is_alive()
 
 
 def restart_count(handle: Any) -> int:
