@@ -234,15 +234,23 @@ class TrainingDriver:
         while True:
             self.rollouts.poll()  # batches scored while the driver was busy go in first
             self.fill()
-            with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
-                taken = self.buffer_call(
-                    lambda: self.actors.buffer.take.remote(per_step, self.learner_version), "take"
-                )
-                if taken is not None:
-                    return self._start_training(taken), taken
+            if self._may_fill_a_step(per_step):
+                with interrupts_held():  # batches taken are in `training` before a Ctrl-C acts
+                    taken = self.buffer_call(
+                        lambda: self.actors.buffer.take.remote(per_step, self.learner_version),
+                        "take",
+                    )
+                    if taken is not None:
+                        return self._start_training(taken), taken
             if not self.rollouts.in_flight:
                 raise RuntimeError("nothing in flight and the buffer cannot fill a learner step")
             self.rollouts.wait()
+
+    def _may_fill_a_step(self, per_step: int) -> bool:
+        """Whether a take may fill a learner step. The driver counts every episode it
+        added and has not seen taken or dropped; with no ingest endpoint adding episodes
+        of its own, a take below that count comes back empty, and is not asked for."""
+        return self.actors.ingest is not None or self.buffered_episodes >= per_step
 
     def _start_training(self, taken: TakenBatches) -> Any:
         """Moves the batches taken from the buffer to `training`, stores the stale ones
