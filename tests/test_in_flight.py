@@ -465,3 +465,58 @@ def test_callers_of_one_request_each_share_engine_steps_and_hand_the_stepping_on
     # The first caller, stepping for all, ended first: the stepping went on at once to a
     # caller it woke, never at a waiting caller's backstop.
     assert sharing["late_handoffs"] == 0, sharing
+
+
+def error_of(call) -> str:
+    """Returns "ErrorType: message" of what `call()` raised, or "no error"."""
+    try:
+        call()
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def abandoned_mid_update(host) -> dict:
+    """Runs in the host's process: generates in a thread, and after a few engine steps
+    holds the engine as a weight transfer's start does; then the transfer is abandoned
+    (its learner died before finishing it). Returns what that generate call met, whether
+    it ended once abandoned, and what a later generate call and a later load met."""
+    worker = host.rollout
+    steps = worker.loop.steps + STEPS_BEFORE_LOAD
+    first: dict = {}
+    thread, _ = in_a_thread(lambda: first.update(error=error_of(lambda: worker.generate(ROWS, 0))))
+    deadline = time.monotonic() + 120
+    while worker.loop.steps < steps and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    worker.loop.hold()  # RolloutWorker.start_weight_update's hold; no finish will come
+    time.sleep(0.5)
+    held_back = thread.is_alive()
+    worker.abandon_weight_update("learner died during sync")
+    thread.join(timeout=60)
+    return {
+        "held_back": held_back,
+        "ended": not thread.is_alive(),
+        "first": first.get("error"),
+        "later": error_of(lambda: worker.generate(ROWS[:1], 0)),
+        "load": error_of(lambda: worker.load_weights(9, {})),
+    }
+
+
+@pytest.fixture(scope="module")
+def abandoned(across_a_load, rollout_host):
+    """After across_a_load's calls, on its engine (which it leaves failed)."""
+    return ray.get(rollout_host.__ray_call__.remote(abandoned_mid_update), timeout=300)
+
+
+@pytest.mark.slow
+def test_an_update_abandoned_mid_transfer_fails_the_engines_callers_instead_of_holding_them(
+    abandoned,
+):
+    # The hold kept the generate call waiting; abandoning the update ended it at once,
+    # and the engine refuses every later call, load included: its weights may be half
+    # of each version.
+    assert abandoned["held_back"] and abandoned["ended"], abandoned
+    why = "a weight transfer was abandoned (learner died during sync)"
+    for call in ("first", "later", "load"):
+        assert abandoned[call].startswith("EngineFailed: rollout-"), abandoned
+        assert abandoned[call].endswith(why), abandoned

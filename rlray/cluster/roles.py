@@ -35,6 +35,21 @@ if TYPE_CHECKING:
     from rlray.weights.packing import PackedWeights
 
 
+CONTROL = "control"
+"""A rollout actor's concurrency group (one thread of its own) for the call that must not
+queue behind its others: abandon_weight_update, while a dead learner's transfer calls are
+stuck in it. Declared where the workers take vLLM's weight transfer (rollout_actor_class);
+with one call at a time, calls otherwise run on the actor's main thread."""
+
+
+def rollout_actor_class(weight_transfer: bool) -> Any:
+    """Returns RolloutActor as a Ray actor class, with its CONTROL group where the workers
+    take vLLM's weight transfer (rollout.weight_sync nccl or gloo)."""
+    if weight_transfer:
+        return ray.remote(concurrency_groups={CONTROL: 1})(RolloutActor)
+    return ray.remote(RolloutActor)
+
+
 class RolloutActor(RolloutWorker):
     """The RolloutWorker; weights arrive as packed byte arrays from the object store.
     Restarted by Ray, it holds the base model again: where a learner's weights are what

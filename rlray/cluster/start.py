@@ -33,8 +33,8 @@ from rlray.cluster.roles import (
     STORE_GROUPS,
     EpisodesActor,
     RewardActor,
-    RolloutActor,
     StoreActor,
+    rollout_actor_class,
 )
 from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
@@ -407,9 +407,9 @@ def _start_rollout_workers(
     if config.agent.enabled:
         # Agents' calls run across weight loads, as requests do with in-flight updates.
         rollout = replace(rollout, in_flight_updates=True)
+    actor_class = rollout_actor_class(rollout.weight_sync in ("nccl", "gloo"))
     return [
-        ray.remote(RolloutActor)
-        .options(
+        actor_class.options(
             name=name,
             runtime_env=env,
             max_restarts=config.ray.max_actor_restarts,
@@ -417,8 +417,7 @@ def _start_rollout_workers(
             # generates, each call in a thread of its own (rlray.rollout.engine_loop).
             max_concurrency=_rollout_concurrency(config),
             **placement.actor_options("rollout", i),
-        )
-        .remote(
+        ).remote(
             name,
             rollout_model,
             config.model,

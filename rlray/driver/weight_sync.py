@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlray.cluster.calls import ActorFailure
+from rlray.cluster.roles import CONTROL
 from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config, weight_sync
@@ -164,8 +165,10 @@ class WeightSync:
             version = self.recovery.call("learner", learner.send_weights.remote(), "sync")
         except ActorFailure as failure:
             if failure.died:  # the learner died: reported as such
+                self._abandon_transfer(failure)
                 raise
             if self.config.learner.num_workers > 1:
+                self._abandon_transfer(failure)
                 raise ActorFailure(f"weight transfer failed: {failure}", died=True) from failure
             logger.warning("weight transfer failed (%s); syncing through the object store", failure)
             self.transfer_open = False
@@ -175,6 +178,24 @@ class WeightSync:
         self.published = None  # the last published object is no longer the weights
         self.worker_versions = [version] * len(self.actors.rollout)
         return self.transfer, {name: (version, None) for name in self.actors.rollout_names}
+
+    def _abandon_transfer(self, failure: ActorFailure) -> None:
+        """The learners will not finish the transfer: an update they started may hold the
+        workers' engines, their weights half-loaded. Each engine stops for good (on its
+        actor's CONTROL thread, free while the transfer's calls are stuck), so that
+        nothing waits for it: its batches in flight fail, and the resumed run starts new
+        actors. Without this, the run's end waited for them until the call timeout."""
+        reason = str(failure).splitlines()[0]
+        names, actors = self.actors.rollout_names, self.actors.rollout
+        calls = [
+            (name, actor.abandon_weight_update.options(concurrency_group=CONTROL).remote(reason))
+            for name, actor in zip(names, actors, strict=True)
+        ]
+        for name, call in calls:
+            try:
+                self.recovery.call(name, call, "abandoning the weight transfer")
+            except ActorFailure as err:  # a dead worker's engine holds nothing
+                logger.warning("%s", err)
 
     def _open_transfer(self) -> None:
         learners = self.actors.learner

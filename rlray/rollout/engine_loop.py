@@ -16,6 +16,11 @@ Each request records the policy version of its first step and of its last one, s
 episode knows the oldest version that produced its tokens (staleness counts from it).
 What happens to the running requests' KV cache, computed by the old weights, is
 rollout.in_flight_kv_cache's choice: kept, or recomputed by the new weights.
+
+A weight transfer (vLLM's, rlray.weights.transfer) holds the engine across calls, from
+its start to its finish. If its sender dies in between, the weights are neither version
+and the finish never comes: `fail()` then ends the engine's service for good, and every
+caller waiting for it, or coming later, raises EngineFailed instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+
+class EngineFailed(RuntimeError):
+    """The engine runs no step again (EngineLoop.fail); the message says why."""
 
 
 @dataclass
@@ -53,6 +62,7 @@ class EngineLoop:
         self._waiting_pauses = 0  # pauses waiting: steps and adds defer to them
         self._waiting_adds = 0  # adds waiting: steps defer to them
         self._held = False  # hold(): paused across calls (a layerwise weight transfer)
+        self._failed: str | None = None  # why no step runs again (fail())
         self._outputs: dict[str, Any] = {}  # finished outputs not yet taken by their session
         self._versions: dict[str, Versions] = {}
         self.steps = 0
@@ -82,6 +92,8 @@ class EngineLoop:
     def paused(self) -> Iterator[bool]:
         """Holds the engine alone between two steps; yields whether requests are running
         (they go on after it). Inside a hold() it runs at once, and ends the hold."""
+        if self._failed is not None:  # a hold() left by a failed update included
+            raise EngineFailed(self._failed)
         if self._held:
             try:
                 yield self.engine.has_unfinished_requests()
@@ -110,6 +122,16 @@ class EngineLoop:
             self._held = False
             self._release()
 
+    def fail(self, reason: str) -> None:
+        """Ends the engine's service for good: every caller waiting for it (to add, step
+        or pause) and every later one raises EngineFailed(reason). For weights a transfer
+        left half-loaded, whose sender died before finishing (and releasing) it."""
+        with self._free:
+            self._failed = reason
+            self._free.notify_all()
+            for _, wake in self._sleepers:
+                wake.notify()
+
     def _acquire(self, pause: bool = False, add: bool = False) -> None:
         """Takes the engine: a pause before anything else, then adds before steps, so
         that callers' new requests join the next step rather than wait behind a caller
@@ -121,8 +143,9 @@ class EngineLoop:
             elif add:
                 self._waiting_adds += 1
             try:
-                while self._busy or (
-                    not pause and (self._waiting_pauses or (not add and self._waiting_adds))
+                while self._failed is None and (
+                    self._busy
+                    or (not pause and (self._waiting_pauses or (not add and self._waiting_adds)))
                 ):
                     self._free.wait()
             finally:
@@ -130,6 +153,8 @@ class EngineLoop:
                     self._waiting_pauses -= 1
                 elif add:
                     self._waiting_adds -= 1
+            if self._failed is not None:
+                raise EngineFailed(self._failed)
             self._busy = True
 
     def _release(self) -> None:
@@ -181,11 +206,13 @@ class EngineLoop:
         sleeper = (waiting_for, threading.Condition(self._lock))
         self._sleepers.append(sleeper)
         try:
-            while self._stepping and waiting_for.isdisjoint(self._outputs):
+            while self._stepping and waiting_for.isdisjoint(self._outputs) and self._failed is None:
                 if not sleeper[1].wait(timeout=0.5) and not self._stepping:
                     self.late_handoffs += 1
         finally:
             self._sleepers.remove(sleeper)
+        if self._failed is not None and waiting_for.isdisjoint(self._outputs):
+            raise EngineFailed(self._failed)
 
     def _wake(self, steps_on: bool) -> None:
         """Wakes (holding the lock) each waiting caller whose requests finished, and, if
@@ -199,18 +226,26 @@ class EngineLoop:
                 wake.notify()
                 successor = False
 
+    def _forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._outputs.pop(rid, None)
+            self._versions.pop(rid, None)
+
     def _take(self, request_ids: set[str]) -> list[Any]:
         with self._free:
             ready = [rid for rid in request_ids if rid in self._outputs]
             return [self._outputs.pop(rid) for rid in ready]
 
     def _abort(self, request_ids: list[str]) -> None:
-        self._acquire()
+        try:
+            self._acquire()
+        except EngineFailed:  # no step runs them again: forgetting them is enough
+            with self._free:
+                self._forget(request_ids)
+            return
         try:
             self.engine.abort_request(request_ids)
-            for rid in request_ids:
-                self._outputs.pop(rid, None)
-                self._versions.pop(rid, None)
+            self._forget(request_ids)
         finally:
             self._release()
         with self._free:  # an aborting caller may have been the one that stepped

@@ -866,6 +866,13 @@ class RolloutWorker:
         self._loaded(version, self.llm.llm_engine.has_unfinished_requests())
         self.loop.release()
 
+    def abandon_weight_update(self, reason: str) -> None:
+        """The transfer's sender died (or its learner group broke) mid-sync: an update it
+        started may hold the engine with its weights half-loaded, and nobody will finish
+        it. The engine stops for good (EngineLoop.fail): the calls waiting for it, and any
+        later, raise EngineFailed naming `reason`; the run goes on with new actors."""
+        self.loop.fail(f"{self.name}: a weight transfer was abandoned ({reason})")
+
     def loads_tied_output(self, tied_output: str) -> bool:
         """Whether vLLM's model takes the tied output embedding under its own name."""
         # as in __init__
