@@ -30,8 +30,14 @@ $(STAMP): pyproject.toml
 run: setup
 	$(PY) jobs/ppo.py $(ARGS)
 
+# Two pytest workers (pytest-xdist), each taking a whole test file at a time, so that a
+# module's shared job run happens once: a job run keeps 2 cores about two thirds busy
+# (start-up, waits on Ray), and the other worker's tests fill the rest.
+# PYTEST_WORKERS=0 runs the suite in this one process.
+PYTEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Style, then the layer contract: import-linter's (pyproject.toml) and tests/check_layers.py.
 lint: setup

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from rlray.data.cache import cache_dir, file_lock
+
 REPO = Path(__file__).resolve().parent.parent
 AWS_TEST_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -36,6 +38,16 @@ def pytest_addoption(parser) -> None:
         default="cpu",
         help="torch device of the learner and math tests (cpu here; cuda on a GPU machine)",
     )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Puts the files that hold `slow` tests (job runs, vLLM engines) first, each file's
+    tests in their own order. `make test` runs two pytest workers, each taking a whole
+    file at a time (pytest-xdist's loadfile, in this order): the long files start at
+    once, and the short ones fill in beside them at the end instead of one long file
+    running alone after everything else."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")
@@ -76,13 +88,16 @@ def ray_cluster(tmp_path_factory) -> RayCluster:
         # run's are all scraped before it ends (tests/test_job.py's GRPO run).
         "RAY_metrics_report_interval_ms": "2000",
     }
-    subprocess.run(
-        [f"{bin_dir}/ray", "get-auth-token", "--generate"],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    # Under the lock: `make test`'s two workers each start a cluster, and on a fresh
+    # machine both would otherwise write a token of their own, one after the other.
+    with file_lock(cache_dir() / "tests-auth-token.lock"):
+        subprocess.run(
+            [f"{bin_dir}/ray", "get-auth-token", "--generate"],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("w")
     process = subprocess.Popen(
         [

@@ -294,14 +294,25 @@ def callers_sharing_steps(host) -> dict:
     loop = worker.loop
     before, late = loop.steps, loop.late_handoffs
 
-    def call(tokens: int):
-        return lambda: worker.complete([5, 6, 7], 1, 1.0, tokens, [])
+    go = threading.Event()
 
+    def call(tokens: int, after: threading.Event | None = None):
+        def run():
+            if after is not None:
+                after.wait(timeout=60)
+            return worker.complete([5, 6, 7], 1, 1.0, tokens, [])
+
+        return run
+
+    # The long callers' threads are started first and wait: started only once the first
+    # call steps, on a busy machine they came in one by one, many steps apart.
+    waiting = [in_a_thread(call(LONG_CALL, go)) for _ in range(CALLERS - 1)]
     calls = [in_a_thread(call(SHORT_CALL))]
     deadline = time.monotonic() + 60
     while loop.steps == before and time.monotonic() < deadline:
         time.sleep(0.0005)
-    calls += [in_a_thread(call(LONG_CALL)) for _ in range(CALLERS - 1)]
+    go.set()
+    calls += waiting
     for thread, _ in calls:
         thread.join(timeout=120)
     return {
