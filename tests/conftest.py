@@ -2,7 +2,8 @@
 
 `ray start --head --block` runs in the background for the session; tests that need Ray
 join it with `ray.init(address=...)`, and the job-submission test submits to its
-dashboard. Starting Ray once saves seconds per test on this 2-core machine.
+dashboard. Starting Ray once saves seconds per test on this 2-core machine. Under `make
+test` each of the two pytest workers is a session of its own, with its own cluster.
 """
 
 from __future__ import annotations
