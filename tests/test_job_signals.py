@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.jobs_helper import REPO, SHORT_RUN
+from rlray.episodes.reader import read
+from tests.jobs_helper import REPO, SHORT_RUN, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -148,9 +149,10 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
 
 
 def test_a_sigterm_to_the_whole_process_group_ends_the_run_and_its_local_ray(tmp_path):
-    """`timeout`, `kill -- -PGID` and service managers signal every process of the group:
-    the raylet of the job's own Ray exits, its GCS does not, and the driver's removal of
-    its placement groups never returned (it hung there for good)."""
+    """`timeout` and `kill -- -PGID` signal every process of the group. The job's own Ray
+    runs in a group of its own: the driver stops as on Ctrl-C, sends the episodes in
+    flight to the store and then ends its Ray. (When the SIGTERM reached the raylet too,
+    the driver's first call to it after the signal exited the process with status 1.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     run_dir = tmp_path / "run"
     job = start_job(["--learner.steps", "100000", "--run-dir", str(run_dir)], env)
@@ -158,6 +160,7 @@ def test_a_sigterm_to_the_whole_process_group_ends_the_run_and_its_local_ray(tmp
         wait_for_line(job, "step ", anywhere=True)  # training
         ray_processes = psutil.Process(job.pid).children(recursive=True)
         assert {"raylet", "gcs_server"} <= {p.name() for p in ray_processes}
+        in_the_jobs_group = [p.name() for p in ray_processes if os.getpgid(p.pid) == job.pid]
         os.killpg(job.pid, signal.SIGTERM)
         _, err = job.communicate(timeout=120)
         deadline = time.monotonic() + 30  # two pytest workers: the machine may be busy
@@ -165,7 +168,14 @@ def test_a_sigterm_to_the_whole_process_group_ends_the_run_and_its_local_ray(tmp
             time.sleep(0.5)
     finally:
         job.kill()
+    assert in_the_jobs_group == [], in_the_jobs_group
     assert job.returncode == 130, err[-3000:]
     assert "interrupted; every episode so far is kept" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert left == [], [p.cmdline()[:1] for p in left]
+    # Every episode made, trained on or not, is in the store: whole prompts, each id once.
+    episodes = read(str(run_dir / "episodes"))
+    ids = episodes.column("episode_id").to_pylist()
+    assert len(ids) == len(set(ids)) and len(ids) >= sum(r["episodes"] for r in metrics(run_dir))
+    prompts = set(episodes.column("prompt_index").to_pylist())
+    assert prompts == set(range(len(prompts))) and len(ids) == 4 * len(prompts)

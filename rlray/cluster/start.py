@@ -123,11 +123,11 @@ class Actors:
 
     def kill(self, release_timeout_s: float = 10.0) -> None:
         """Stops every actor (their names become free for the next run) and gives their
-        placement groups back. Ray's node on this machine may be gone (a SIGTERM sent to
-        the whole process group stops the raylet, not Ray's GCS, whose removal of a
-        placement group then never returns): a release that has not returned within
-        `release_timeout_s` is left behind, with a warning, and so is the wait for the
-        names."""
+        placement groups back. Ray's node on this machine may be gone (a service
+        manager's stop signals every process of the service: the raylet stops, Ray's
+        GCS does not, and its removal of a placement group then never returns): a
+        release that has not returned within `release_timeout_s` is left behind, with a
+        warning, and so is the wait for the names."""
         for _, handle in self.all():
             ray.kill(handle, no_restart=True)
         if self.placement is not None:
@@ -209,7 +209,7 @@ def _init(target: str, num_cpus: int) -> None:
         _send_auth_token_if_any()
         ray.init(address=target)
         return
-    with _without_unused_head_processes():
+    with _without_unused_head_processes(), _in_a_process_group_of_their_own():
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -239,6 +239,33 @@ def _without_unused_head_processes() -> Iterator[None]:
         yield
     finally:
         node.start_monitor, node.start_api_server, node.start_log_monitor = saved
+
+
+@contextlib.contextmanager
+def _in_a_process_group_of_their_own() -> Iterator[None]:
+    """Starts the job's own Ray (its GCS, its raylet and, below the raylet, every actor's
+    worker) outside the driver's process group. `timeout` and `kill -- -PGID` signal a
+    whole group: a SIGTERM that reached the raylet too stopped it
+    while the driver was still sending the episodes in flight to the store, and the
+    driver's core worker then exits the process (status 1, those episodes lost) at its
+    first call to the raylet. Out of the group, the SIGTERM reaches only the driver, which
+    stops as on Ctrl-C and then ends its Ray (and local_ray_watchdog.py, should the
+    driver be killed outright). Ray's processes block SIGINT already: a terminal's
+    Ctrl-C is the driver's alone either way. ray.init has no parameter for this (Ray 2.60
+    starts each process through one Popen subclass), so that class is swapped for this
+    one call."""
+    services = ray._private.services
+    original = services.ConsolePopen
+
+    class OwnGroupPopen(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, process_group=0, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def _watch_actor_output_in_this_process() -> None:
