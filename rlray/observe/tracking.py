@@ -162,6 +162,13 @@ class Trackers:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+            # finish() only sends wandb's service process a message to close the run
+            # (inform_finish) and returns: on a busy machine the .wandb file then held
+            # its 7-byte header alone for a moment. teardown() waits for the service to
+            # exit, so the file is complete when close returns.
+            import wandb  # imported by _start_wandb already: no cost here
+
+            wandb.teardown()
 
 
 class EventWriter:
