@@ -65,6 +65,16 @@ def test_command_line_overrides_yaml_file(tmp_path):
     assert command.config.seed == 7
 
 
+def test_one_parse_leaves_nothing_behind_for_the_next(tmp_path):
+    # The process builds its parser once and parses with it every time.
+    path = tmp_path / "run.yaml"
+    path.write_text("learner:\n  lr: 0.001\nreward:\n  functions: [{name: exact_match}]\n")
+    parse_command_line(["--config", str(path), "--seed", "7", "--model", "some/dir"])
+    with pytest.raises(ConfigError):
+        parse_command_line(["--learner.lr", "fast"])
+    assert parse_command_line([]).config == Config()
+
+
 def test_model_shortcut_and_dashed_names():
     command = parse_command_line(["--model", "some/dir", "--rollout.max-new-tokens", "9"])
     assert command.config.model.path == "some/dir"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import math
 import re
 import textwrap
@@ -114,7 +115,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, jsonargparse.DefaultH
 def parse_command_line(argv: list[str]) -> CommandLine:
     """Returns the config from defaults < --config file (or the resumed run's
     config.yaml) < command-line overrides. Raises ConfigError on any bad input."""
-    parser = build_parser()
+    parser = _shared_parser()
     argv = [_canonical(arg) for arg in argv]
     given = _checked(parser.parse_args, argv)
     resume_dir = Path(given.resume) if given.resume else None
@@ -138,6 +139,14 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     if resume_dir is not None and Path(config.run_dir) != resume_dir:
         raise ConfigError("--resume and --run-dir name different directories")
     return CommandLine(config=config, resume_dir=resume_dir)
+
+
+@functools.cache
+def _shared_parser() -> jsonargparse.ArgumentParser:
+    """build_parser() once per process: it reads the config classes' source for their
+    field docs (0.5 s a build, most of a bad command line's answer in-process), and a
+    parse leaves the parser as it was."""
+    return build_parser()
 
 
 def _canonical(arg: str) -> str:
