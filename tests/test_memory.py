@@ -215,7 +215,7 @@ def test_prompt_lengths_are_counted_as_the_tokenizer_counts_them():
 
 def test_prompt_readings_are_cached_under_the_tokenizer_files_and_prompts(tmp_path, monkeypatch):
     from rlray.config import Config
-    from rlray.data.models import read_prompts, resolve_model_path
+    from rlray.data.models import _readings_cache_file, read_prompts, resolve_model_path
 
     model = tmp_path / "model"
     shutil.copytree(resolve_model_path(Config().model.path), model)
@@ -232,9 +232,15 @@ def test_prompt_readings_are_cached_under_the_tokenizer_files_and_prompts(tmp_pa
         [60],
         [40],
     ]
-    # Other prompts, or a tokenizer file that changed, are read again by the tokenizer.
+    # Other prompts are read again by the tokenizer, under an entry of their own...
     assert read_prompts(str(model), [["12+3="], ["1+2="]])[0][0].count == 5
+    assert len(list(entries.glob("*.json"))) == 2
+    # ...and so are these prompts after a tokenizer file changed (its key is another),
+    # but not after a change to the weights, which the tokenizer never reads.
+    key = _readings_cache_file(str(model), [["12+34="], ["1+2="]])
+    assert key == entry
+    (model / "model.safetensors").write_bytes(b"other weights")
+    assert _readings_cache_file(str(model), [["12+34="], ["1+2="]]) == entry
     config = model / "tokenizer_config.json"
     config.write_text(config.read_text() + "\n")
-    assert read_prompts(str(model), [["12+34="], ["1+2="]]) == first
-    assert len(list(entries.glob("*.json"))) == 3
+    assert _readings_cache_file(str(model), [["12+34="], ["1+2="]]) not in (entry, None)
