@@ -144,6 +144,37 @@ def test_the_kv_cache_is_sized_to_a_rollout_batch():
     assert vllm_env(config.rollout)["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
+def test_engine_arguments_follow_the_rollout_settings():
+    from rlray.config import Config
+    from rlray.data.models import resolve_model_path
+    from rlray.rollout.worker import engine_arguments
+
+    config = Config()
+    path = resolve_model_path(config.model.path)
+    rollout = config.rollout
+    # The default CPU worker: a KV cache sized to its batch, in 64-token blocks.
+    assert engine_arguments(path, config.model, rollout, sleep_mode=False) == {
+        "block_size": 64,
+        "kv_cache_memory_bytes": 32 * MIB,
+    }
+    rollout.kv_cache_gib = 2  # vLLM's CPU variable sizes it instead
+    assert "kv_cache_memory_bytes" not in engine_arguments(path, config.model, rollout, False)
+    # Turns and in-flight loads must not split a prefill; kept KV may not be reused.
+    rollout.in_flight_updates, rollout.in_flight_kv_cache = True, "keep"
+    args = engine_arguments(path, config.model, rollout, False)
+    assert args["enable_chunked_prefill"] is False and args["enable_prefix_caching"] is False
+    rollout.in_flight_kv_cache = "recompute"
+    assert "enable_prefix_caching" not in engine_arguments(path, config.model, rollout, False)
+    # On a GPU: its memory share and sleep mode; tensor parallel ranks as Ray actors,
+    # vLLM choosing the block size.
+    rollout.gpus_per_worker, rollout.tensor_parallel_size = 2, 2
+    args = engine_arguments(path, config.model, rollout, sleep_mode=True)
+    assert args["enable_sleep_mode"] is True
+    assert args["gpu_memory_utilization"] == rollout.gpu_memory_utilization
+    assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "ray"
+    assert "block_size" not in args
+
+
 # Fills the heap with 256 blocks of 96 KiB (below glibc's mmap threshold), frees all
 # but the last, which keeps the heap's top in place, then calls the trimmer.
 TRIM_FREED_HEAP = """

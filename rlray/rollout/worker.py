@@ -191,6 +191,50 @@ def kv_cache_bytes(model_path: str, model: ModelConfig, rollout: RolloutConfig) 
     return sequences * blocks * block * per_token
 
 
+def engine_arguments(
+    model_path: str, model: ModelConfig, rollout: RolloutConfig, sleep_mode: bool
+) -> dict[str, Any]:
+    """Returns the vLLM engine arguments a rollout worker's settings ask for, beside those
+    every engine gets (model, dtype, seed, length, eager, logprobs mode). `sleep_mode`:
+    the engine can sleep while a learner on the same GPU trains (GPU only)."""
+    engine_args: dict[str, Any] = {}
+    if rollout.gpus_per_worker > 0:
+        engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        engine_args["enable_sleep_mode"] = sleep_mode
+    if rollout.tensor_parallel_size > 1:
+        # Ranks as Ray actors in this worker's placement group (rlray/cluster/placement.py).
+        engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size
+        engine_args["distributed_executor_backend"] = "ray"
+    else:
+        engine_args["block_size"] = kv_block_tokens(model.max_model_len)
+        if rollout.kv_cache_gib == 0:
+            engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
+    # The actors get weight_sync resolved ("auto" is the object store here).
+    sync = rollout.weight_sync
+    if sync in ("nccl", "gloo"):
+        # vLLM is imported in the rollout actor only, after vllm_env (RolloutWorker)
+        from vllm.config import WeightTransferConfig
+
+        if sync == "gloo":
+            # it imports vLLM (as above)
+            from rlray.weights.transfer import register_backends
+
+            register_backends()  # before the engine: its worker creates the engine
+        engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
+    if rollout.environment or rollout.in_flight_updates:
+        # Turns arrive while others decode (and with in-flight updates, a batch joins
+        # a running one, or a weight load makes every running request prefill again),
+        # and a prefill split across engine steps (chunked prefill) fails for seeded
+        # sampling on the CPU build ("CPU Generator does not use offset", vLLM 0.32,
+        # measured): prefills wait for room instead.
+        engine_args["enable_chunked_prefill"] = False
+    if rollout.in_flight_updates and rollout.in_flight_kv_cache == "keep":
+        # KV computed by older weights stays in running requests; no new request may
+        # find it in the prefix cache.
+        engine_args["enable_prefix_caching"] = False
+    return engine_args
+
+
 def new_attempt() -> str:
     """Returns a new generation attempt's tag, the last part of its episodes' ids: a batch
     regenerated after a failure, or by a resumed run, gets new ids, so the store never
@@ -241,41 +285,7 @@ class RolloutWorker:
         self.run_id = run_id
         self.seed = seed
         self.rollout = rollout
-        engine_args: dict[str, Any] = {}
-        if rollout.gpus_per_worker > 0:
-            engine_args["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-            engine_args["enable_sleep_mode"] = sleep_mode
-        if rollout.tensor_parallel_size > 1:
-            # Ranks as Ray actors in this worker's placement group (rlray/cluster/placement.py).
-            engine_args["tensor_parallel_size"] = rollout.tensor_parallel_size
-            engine_args["distributed_executor_backend"] = "ray"
-        else:
-            engine_args["block_size"] = kv_block_tokens(model.max_model_len)
-            if rollout.kv_cache_gib == 0:
-                engine_args["kv_cache_memory_bytes"] = kv_cache_bytes(model_path, model, rollout)
-        # The actors get weight_sync resolved ("auto" is the object store here).
-        sync = rollout.weight_sync
-        if sync in ("nccl", "gloo"):
-            # as LLM above
-            from vllm.config import WeightTransferConfig
-
-            if sync == "gloo":
-                # as LLM above
-                from rlray.weights.transfer import register_backends
-
-                register_backends()  # before the engine: its worker creates the engine
-            engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
-        if rollout.environment or rollout.in_flight_updates:
-            # Turns arrive while others decode (and with in-flight updates, a batch joins
-            # a running one, or a weight load makes every running request prefill again),
-            # and a prefill split across engine steps (chunked prefill) fails for seeded
-            # sampling on the CPU build ("CPU Generator does not use offset", vLLM 0.32,
-            # measured): prefills wait for room instead.
-            engine_args["enable_chunked_prefill"] = False
-        if rollout.in_flight_updates and rollout.in_flight_kv_cache == "keep":
-            # KV computed by older weights stays in running requests; no new request may
-            # find it in the prefix cache.
-            engine_args["enable_prefix_caching"] = False
+        engine_args = engine_arguments(model_path, model, rollout, sleep_mode)
         self.loads_directly = rollout.gpus_per_worker == 0 and torch_cpu_matmul(
             rollout, weight_file_bytes(model_path)
         )
