@@ -339,21 +339,11 @@ class Engine:
         if self.lora:
             self.policy = with_lora(self.policy, lora_rank, lora_alpha, list(lora_targets))
         self.with_reference = with_reference
-        self.reference = None
-        if with_reference and not self.lora:
-            # float32 like the policy, so that KL is exactly 0 before the first update.
-            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self.reference.to(self.device).requires_grad_(False).eval()
-        self.critic = None
-        if with_critic:
-            # A checkpoint of a run without a critic (another estimator) has none to load.
-            has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
-            trunk_path = f"{checkpoint}/critic" if has_critic else model_path
-            trunk = self._load(AutoModel, trunk_path, gradient_checkpointing)
-            self.critic = ValueModel(trunk, self.policy.config.hidden_size).to(self.device)
-            head_path = Path(trunk_path, "value_head.pt")
-            if has_critic and head_path.is_file():
-                self.critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        # With LoRA the reference is the policy with its adapters off.
+        self.reference = self._reference(model_path) if with_reference and not self.lora else None
+        self.critic = (
+            self._critic(model_path, checkpoint, gradient_checkpointing) if with_critic else None
+        )
         if compile_layers:
             for model in (self.policy, self.reference, self.critic):
                 if model is not None:
@@ -375,6 +365,26 @@ class Engine:
         self.shuffle = torch.Generator().manual_seed(seed)
         if checkpoint:
             self._load_state(Path(checkpoint))
+
+    def _reference(self, model_path: str) -> nn.Module:
+        """Returns the frozen reference model: the starting model in float32 like the
+        policy, so that KL is exactly 0 before the first update."""
+        reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return reference.to(self.device).requires_grad_(False).eval()
+
+    def _critic(
+        self, model_path: str, checkpoint: str | Path | None, gradient_checkpointing: bool
+    ) -> ValueModel:
+        """Returns the critic: the checkpoint's, or the starting model's trunk with a zero
+        value head. A checkpoint of a run without a critic (another estimator) has none."""
+        has_critic = checkpoint is not None and Path(checkpoint, "critic").is_dir()
+        trunk_path = f"{checkpoint}/critic" if has_critic else model_path
+        trunk = self._load(AutoModel, trunk_path, gradient_checkpointing)
+        critic = ValueModel(trunk, self.policy.config.hidden_size).to(self.device)
+        head_path = Path(trunk_path, "value_head.pt")
+        if has_critic and head_path.is_file():
+            critic.head.load_state_dict(torch.load(head_path, map_location=self.device))
+        return critic
 
     def _shard(self) -> None:
         """Shards every model across the learner group (before the optimizer exists: its
