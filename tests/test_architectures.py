@@ -17,6 +17,7 @@ import dataclasses
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -53,10 +54,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PROMPTS = [PromptRow(p) for p in ("12+34=", "7+8=", "99+1=", "(3*4)-5=")]
 
 
-def build_model(kind: str, out: Path | None = None) -> PreTrainedModel:
-    """Returns a tiny random fp32 model of the kind, saved with the tokenizer if `out`."""
+def build_model(
+    kind: str, out: Path | None = None, tokenizer: Any = None, max_positions: int = 64
+) -> PreTrainedModel:
+    """Returns a tiny random fp32 model of the kind, saved with the tokenizer (by default
+    the character tokenizer) if `out`."""
     config_class, fields = ARCHITECTURES[kind]
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer or build_char_tokenizer()
     config = getattr(transformers, config_class)(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -64,10 +68,10 @@ def build_model(kind: str, out: Path | None = None) -> PreTrainedModel:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         **fields,
     )
     torch.manual_seed(0)

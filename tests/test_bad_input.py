@@ -117,6 +117,28 @@ BAD_INPUTS = {
         "is a Qwen2Model, not a causal LM that vLLM generates with",
     ),
     "empty-prompt": (["--data.train", "EMPTY"], "empty.jsonl:2: 'prompt' is empty"),
+    "unknown-task": (
+        [
+            "--data.train",
+            "reasoning_gym:leg_countin",
+            "--reward.functions",
+            "[{name: reasoning_gym}]",
+        ],
+        "data: unknown reasoning-gym task 'leg_countin' (did you mean 'leg_counting'?)",
+    ),
+    "task-config": (
+        ["--data.train", "reasoning_gym:leg_counting", "--data.task_config", "{legs: 3}"],
+        "data.task_config: not a config of reasoning-gym's leg_counting: ",
+    ),
+    "question-template": (
+        [
+            "--data.train",
+            "reasoning_gym:leg_counting",
+            "--data.question_template",
+            "[{role: user, content: hi}]",
+        ],
+        "data.question_template: no message holds {question}",
+    ),
     "no-token-prompt": (
         ["--data.train", "UNTOKENIZABLE"],
         "data.train: prompt 'abc' is no tokens to the model's tokenizer",

@@ -152,10 +152,12 @@ def test_engine_arguments_follow_the_rollout_settings():
     config = Config()
     path = resolve_model_path(config.model.path)
     rollout = config.rollout
-    # The default CPU worker: a KV cache sized to its batch, in 64-token blocks.
+    # The default CPU worker: a KV cache sized to its batch, in 64-token blocks; no
+    # prefill split across engine steps (seeded sampling fails on it there).
     assert engine_arguments(path, config.model, rollout, sleep_mode=False) == {
         "block_size": 64,
         "kv_cache_memory_bytes": 32 * MIB,
+        "enable_chunked_prefill": False,
     }
     rollout.kv_cache_gib = 2  # vLLM's CPU variable sizes it instead
     assert "kv_cache_memory_bytes" not in engine_arguments(path, config.model, rollout, False)
@@ -173,6 +175,11 @@ def test_engine_arguments_follow_the_rollout_settings():
     assert args["gpu_memory_utilization"] == rollout.gpu_memory_utilization
     assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "ray"
     assert "block_size" not in args
+    # There a long prefill may be split (chunked prefill), but not in multi-turn runs.
+    rollout.in_flight_updates = False
+    assert "enable_chunked_prefill" not in engine_arguments(path, config.model, rollout, False)
+    rollout.environment = "builtin:calculator"
+    assert engine_arguments(path, config.model, rollout, False)["enable_chunked_prefill"] is False
 
 
 # Fills the heap with 256 blocks of 96 KiB (below glibc's mmap threshold), frees all

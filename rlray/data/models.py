@@ -1,5 +1,6 @@
 """Model paths and what a model can take: the built-in tiny models (rlray.data.tiny_models),
-local HF-format directories and hub names; each checked before any actor starts, and the
+published models from packages (rlray.data.published), local HF-format directories and hub
+names; each checked before any actor starts, and the
 prompts read by the model's own tokenizer (in a child process: the driver imports no
 transformers)."""
 
@@ -19,12 +20,14 @@ from rlray.config import (
     BUILTIN_CALCULATOR_MODEL,
     BUILTIN_COUNTDOWN_MODEL,
     BUILTIN_MODEL,
+    BUILTIN_SMOLLM2,
     ConfigError,
 )
 from rlray.core.episode import ModelLimits
 from rlray.core.prompt import Prompt
 from rlray.data.cache import cache_dir, write_atomically
 from rlray.data.chat import render_prompt
+from rlray.data.published import SMOLLM2, packaged_model
 from rlray.data.tiny_models import ARITHMETIC, CALCULATOR, COUNTDOWN_MODEL, tiny_model
 
 BUILTIN_MODELS = {
@@ -32,18 +35,22 @@ BUILTIN_MODELS = {
     BUILTIN_CALCULATOR_MODEL: CALCULATOR,
     BUILTIN_COUNTDOWN_MODEL: COUNTDOWN_MODEL,
 }
+PACKAGED_MODELS = {BUILTIN_SMOLLM2: SMOLLM2}
 
 
 def resolve_model_path(spec: str) -> str:
     """Returns a local model directory (or hub name) for the config's model.path.
 
-    Raises ConfigError, naming the path, if a local directory is missing or is not an
-    HF-format model.
+    Builds a built-in model on first use. Raises ConfigError, naming the path, if a local
+    directory is missing or is not an HF-format model, or a packaged model's package is
+    not installed.
     """
     if spec in BUILTIN_MODELS:
         return str(tiny_model(BUILTIN_MODELS[spec]))
+    if spec in PACKAGED_MODELS:
+        return str(packaged_model(PACKAGED_MODELS[spec]))
     if spec.startswith("builtin:"):
-        known = ", ".join(BUILTIN_MODELS)
+        known = ", ".join([*BUILTIN_MODELS, *PACKAGED_MODELS])
         raise ConfigError(f"model.path: unknown built-in model {spec!r}; known: {known}")
     path = Path(spec).expanduser()
     if path.exists():

@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in tasks (rlray.data.tasks) and JSONL files.
+"""Prompt sources: the built-in tasks (rlray.data.tasks), reasoning-gym's tasks and JSONL
+files (rlray.data.task_libraries: questions put in data.question_template).
 
 A prompt source is an endless, seeded stream: `row(i)` is the i-th training prompt of
 the run, so a saved cursor (an index) is all a resumed run needs to continue the same
@@ -19,8 +20,9 @@ from rlray.config import (
     ConfigError,
     DataConfig,
 )
-from rlray.core.prompt import PromptRow
+from rlray.core.prompt import Message, PromptRow
 from rlray.data.chat import MESSAGES_COLUMN, message_list_problem, prompt_preview
+from rlray.data.task_libraries import ReasoningGymPrompts, question_row, reasoning_gym_task
 from rlray.data.tasks import COUNTDOWN, MULTIPLICATION, OperandTask, TaskPrompts, addition
 
 
@@ -59,9 +61,15 @@ class FilePrompts:
 
 
 def read_jsonl(
-    path: str, field_name: str, require: tuple[str, ...] = ("prompt",)
+    path: str,
+    field_name: str,
+    require: tuple[str, ...] = ("prompt",),
+    question_template: list[Message] | None = None,
 ) -> list[PromptRow]:
-    """Returns the rows of a JSONL prompt file, or raises ConfigError naming the file and line."""
+    """Returns the rows of a JSONL prompt file, or raises ConfigError naming the file and line.
+
+    With a question_template, a row may give a "question" instead of the prompt (GSM8K's
+    format): its prompt is the question in the template, and every field a column."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{field_name}: file not found: {path}")
@@ -83,9 +91,16 @@ def read_jsonl(
                 raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{number}: expected a JSON object")
+            if question_template is not None and "prompt" not in record and "question" in record:
+                try:
+                    rows.append(question_row(record, question_template))
+                except ConfigError as err:
+                    raise ConfigError(f"{path}:{number}: {err}") from None
+                continue
             for key in require:
                 if key not in record:
-                    raise ConfigError(f"{path}:{number}: missing field '{key}'")
+                    either = " (or 'question')" if key == "prompt" and question_template else ""
+                    raise ConfigError(f"{path}:{number}: missing field '{key}'{either}")
             if problem := _prompt_problem(record):
                 raise ConfigError(f"{path}:{number}: 'prompt' {problem}")
             prompt = record.pop("prompt")
@@ -124,15 +139,22 @@ def train_prompts(data: DataConfig, seed: int) -> PromptSource:
     """Returns the training prompt stream named by the config."""
     if task := builtin_task(data, data.train, "data.train"):
         return TaskPrompts(task, seed, held_out=data.eval_size)
-    return FilePrompts(read_jsonl(data.train, "data.train"), seed, data.shuffle)
+    if library_task := reasoning_gym_task(data, data.train):
+        return ReasoningGymPrompts(library_task, seed, held_out=data.eval_size)
+    rows = read_jsonl(data.train, "data.train", question_template=data.question_template)
+    return FilePrompts(rows, seed, data.shuffle)
 
 
 def eval_rows(data: DataConfig) -> list[PromptRow]:
-    """Returns the held-out evaluation prompts (the built-ins with an 'answer' column;
-    a file's rows need the columns the eval rewards take)."""
+    """Returns the held-out evaluation prompts (the built-ins with an 'answer' column, a
+    reasoning-gym task's held-out split with what its scorer needs; a file's rows need
+    the columns the eval rewards take)."""
     if task := builtin_task(data, data.eval, "data.eval"):
         return task.held_out_rows(data.eval_size)
-    return read_jsonl(data.eval, "data.eval")[: data.eval_size]
+    if library_task := reasoning_gym_task(data, data.eval):
+        return [library_task.row(e) for e in library_task.held_out_entries(data.eval_size)]
+    rows = read_jsonl(data.eval, "data.eval", question_template=data.question_template)
+    return rows[: data.eval_size]
 
 
 def check_prompts_fit(

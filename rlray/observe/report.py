@@ -45,6 +45,21 @@ def series(records: dict[int, dict[str, Any]], field: str) -> tuple[np.ndarray, 
     return steps, np.array([value for _, value in points], dtype=float)
 
 
+def held_out_series(records: dict[int, dict[str, Any]]) -> tuple[str, np.ndarray, np.ndarray]:
+    """Returns (name, steps, values) of the held-out measure: exact-match accuracy where
+    the run has it (text prompts with answers), else its first evaluation metric (e.g.
+    reward/greedy_accuracy: chat replies, scored by the eval rewards)."""
+    steps, values = series(records, "eval_accuracy")
+    if len(values):
+        return "accuracy", steps, values
+    first = next((r["eval"] for r in records.values() if r.get("eval")), {})
+    if not first:
+        return "accuracy", steps, values
+    name = next(iter(first))
+    flat = {step: {name: (r.get("eval") or {}).get(name)} for step, r in records.items()}
+    return name, *series(flat, name)
+
+
 def _finite(value: Any) -> bool:
     is_number = isinstance(value, int | float) and not isinstance(value, bool)
     return is_number and math.isfinite(value)
@@ -85,7 +100,7 @@ def _plot_reward(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
 
 
 def _plot_accuracy(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
-    steps, accuracy = series(records, "eval_accuracy")
+    name, steps, accuracy = held_out_series(records)
     # Markers always: evaluations are a few points, each of which counts.
     axes.plot(steps, accuracy, marker="o", markersize=6)
     labelled = range(len(accuracy)) if len(accuracy) <= LABELLED_EVALS_MAX else [0, -1]
@@ -98,7 +113,8 @@ def _plot_accuracy(axes: Axes, records: dict[int, dict[str, Any]]) -> None:
             ha="center",
         )
     axes.set_ylim(0, 1.08)  # the whole range, and room for the label of a 1.0
-    _decorate(axes, "Held-out accuracy", "accuracy", has_data=len(accuracy) > 0, legend=False)
+    title = "Held-out accuracy" if name == "accuracy" else f"Held-out {name}"
+    _decorate(axes, title, name, has_data=len(accuracy) > 0, legend=False)
 
 
 Curves = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -165,9 +181,11 @@ def _title(run_dir: Path, records: dict[int, dict[str, Any]]) -> str:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     run_id = Path(summary.get("run_dir") or run_dir).name
-    _, evals = series(records, "eval_accuracy")
-    initial = summary.get("initial_eval_accuracy", evals[0] if len(evals) else None)
-    final = summary.get("final_eval_accuracy", evals[-1] if len(evals) else None)
+    name, _, evals = held_out_series(records)
+    initial = summary.get("initial_eval_accuracy") if name == "accuracy" else None
+    final = summary.get("final_eval_accuracy") if name == "accuracy" else None
+    initial = initial if _finite(initial) else (evals[0] if len(evals) else None)
+    final = final if _finite(final) else (evals[-1] if len(evals) else None)
     if not (_finite(initial) and _finite(final)):
         return run_id
-    return f"{run_id}    held-out accuracy {initial:.3f} -> {final:.3f}"
+    return f"{run_id}    held-out {name} {initial:.3f} -> {final:.3f}"

@@ -43,6 +43,8 @@ BUILTIN_REWARDS: dict[str, str] = {
     **{name: f"rlray.rewards.text:{name}" for name in TEXT_REWARDS},
     **{name: f"rlray.rewards.trace:{name}" for name in TRACE_REWARDS},
     "code_tests": "rlray.rewards.code:code_tests",
+    "reasoning_gym": "rlray.rewards.libraries:reasoning_gym",
+    "math_verify": "rlray.rewards.libraries:math_verify",
     "embedding_similarity": "rlray.rewards.model_based:EmbeddingSimilarity",
     "classifier_reward": "rlray.rewards.model_based:ClassifierReward",
 }
@@ -50,7 +52,8 @@ BUILTIN_REWARDS: dict[str, str] = {
 # Built-ins called in the scorer's own process, without the child process that guards
 # against user code (rlray.rewards.process): ours, no model, linear in their input.
 # regex_match is left out (its pattern is the user's and can backtrack for ever: the
-# child's timeout stops it), as are code_tests (it runs code) and the model rewards.
+# child's timeout stops it), as are code_tests (it runs code), the model rewards and the
+# libraries' (their code, and math-verify's time limits need a main thread).
 IN_PROCESS_REWARDS = frozenset(TEXT_REWARDS + TRACE_REWARDS) - {"regex_match"}
 
 

@@ -90,12 +90,21 @@ def heap_trimmer(model_path: str) -> Callable[[], object] | None:
 
 def _exact_match_accuracy(greedy: list[Episode], rows: list[PromptRow]) -> float | None:
     """Returns the share of greedy completions that match their row's answer exactly;
-    None unless every row has an answer."""
-    if not all("answer" in r.columns for r in rows):
+    None unless every row is a text prompt with an answer (a chat reply is read by the
+    eval rewards: an answer in tags, a boxed number)."""
+    if not all("answer" in r.columns and isinstance(r.prompt, str) for r in rows):
         return None
     answers = [str(r.columns["answer"]) for r in rows]
     scores = exact_match([e.prompt for e in greedy], [e.completion for e in greedy], answer=answers)
     return sum(scores) / len(scores)
+
+
+def _shown_prompt(row: PromptRow, episode: Episode) -> str:
+    """Returns a prompt as an evaluation's example shows it: a text prompt whole, a chat
+    prompt by its last message (its rendering repeats the template's system prompt)."""
+    if isinstance(row.prompt, str):
+        return episode.prompt
+    return f"{row.prompt[-1]['content']} "
 
 
 class _DropRotaryReloadWarning(logging.Filter):
@@ -221,12 +230,12 @@ def engine_arguments(
 
             register_backends()  # before the engine: its worker creates the engine
         engine_args["weight_transfer_config"] = WeightTransferConfig(backend=sync)
-    if rollout.environment or rollout.in_flight_updates:
-        # Turns arrive while others decode (and with in-flight updates, a batch joins
-        # a running one, or a weight load makes every running request prefill again),
-        # and a prefill split across engine steps (chunked prefill) fails for seeded
-        # sampling on the CPU build ("CPU Generator does not use offset", vLLM 0.32,
-        # measured): prefills wait for room instead.
+    if rollout.gpus_per_worker == 0 or rollout.environment or rollout.in_flight_updates:
+        # A prefill split across engine steps (chunked prefill) fails for seeded sampling
+        # on the CPU build ("CPU Generator does not use offset", vLLM 0.32): a batch of
+        # long prompts (a chat template's) splits so, and so may turns that arrive while
+        # others decode, a batch that joins a running one (in-flight updates) or a weight
+        # load after which every running request prefills again. Prefills wait for room.
         engine_args["enable_chunked_prefill"] = False
     if rollout.in_flight_updates and rollout.in_flight_kv_cache == "keep":
         # KV computed by older weights stays in running requests; no new request may
@@ -799,7 +808,10 @@ class RolloutWorker:
             accuracy = _exact_match_accuracy(greedy, rows)
         sampled = run(samples, temperature) if samples else []
         answers = [str(r.columns.get("answer", "")) for r in rows]
-        shown = [(e.prompt, e.completion, a) for e, a in zip(greedy, answers, strict=True)]
+        shown = [
+            (_shown_prompt(r, e), e.completion, a)
+            for r, e, a in zip(rows, greedy, answers, strict=True)
+        ]
         result = EvalResult(accuracy, self.policy_version, shown[:examples])
         return EvalEpisodes(greedy, sampled), result
 
