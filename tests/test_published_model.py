@@ -133,8 +133,10 @@ def test_smollm2_trains_with_its_chat_template_and_parity_after_every_sync(publi
     root, results, _ = published_runs
     steps = metrics(root / "smollm2")
     assert [r["step"] for r in steps] == [1, 2]
-    # 30 layers in float32 on CPU keep the embedded models' bound.
-    assert all(r["logprob_parity_error"] <= 1e-4 for r in steps)
+    # Twice the embedded models' bound: vLLM's CPU kernels and torch's round float32 sums
+    # in different orders, and 30 layers compound it (BENCHMARKS.md: one sync in 135 of
+    # the 3-seed runs above 1e-4).
+    assert all(r["logprob_parity_error"] <= 2e-4 for r in steps)
     stored = episodes(root / "smollm2")
     assert stored and all(
         e.prompt.startswith("<|im_start|>system\nGive your final answer") for e in stored
