@@ -164,6 +164,9 @@ def grpo_config(spec: dict, out: Path) -> GRPOConfig:
         temperature=spec["temperature"],
         max_steps=spec["steps"] * spec["epochs"] * per_generation,
         shuffle_dataset=False,  # the prompts in the order rlray sees them
+        # TRL's default recomputes activations to save GPU memory; rlray's learner does
+        # not, and this machine's memory holds both sides without it.
+        gradient_checkpointing=False,
         bf16=False,
         use_cpu=True,
         report_to="none",
