@@ -318,7 +318,7 @@ def tuning_table(name: str, outcomes: dict[float, Outcome], budget: float) -> st
         lines.append(
             f"| {lr:g} | {o.mean_accuracy(budget):.3f} | {fmt(o.time_to(0.6), 0)} "
             f"| {fmt(o.time_to(0.65), 0)} | {fmt(o.accuracy_at(budget))} "
-            f"| {o.episodes_per_s:.0f} |"
+            f"| {fmt(o.episodes_per_s, 0 if o.episodes_per_s >= 100 else 2)} |"
         )
     return "\n".join(lines)
 
