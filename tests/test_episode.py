@@ -38,6 +38,7 @@ def make_episode(**overrides) -> Episode:
         columns={"answer": "42", "tags": ["ä", 1]},
         reward=1.0,
         reward_components={"exact_match": 1.0, "other": None},
+        reward_details={"code_tests": '{"tests": [["pass", ""], ["fail", "AssertionError"]]}'},
         generated_at=1700000000.123456,
         scored_at=1700000001.5,
         trained_at=None,

@@ -61,13 +61,31 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("columns", pa.string(), nullable=False),  # JSON object of dataset columns
         pa.field("reward", pa.float64()),
         pa.field("reward_components", pa.map_(pa.string(), pa.float64())),
+        # Null in stores written before explained scores: read as {}.
+        pa.field("reward_details", pa.map_(pa.string(), pa.string())),
         pa.field("generated_at", _TIMESTAMP, nullable=False),
         pa.field("scored_at", _TIMESTAMP),
         pa.field("trained_at", _TIMESTAMP),
         pa.field("spans", pa.list_(SPAN_TYPE), nullable=False),
     ],
-    metadata={"rlray.episode_schema_version": "3"},
+    metadata={"rlray.episode_schema_version": "4"},
 )
+
+
+class Score(float):
+    """A reward's score with an explanation: a float to everything that reads it, and
+    its `detail` (JSON-able: a code reward's verdict per test) is kept on the episode
+    (Episode.reward_details)."""
+
+    detail: Any
+
+    def __new__(cls, value: float, detail: Any = None) -> Score:
+        score = super().__new__(cls, value)
+        score.detail = detail
+        return score
+
+    def __reduce__(self) -> tuple:
+        return Score, (float(self), self.detail)
 
 
 @dataclass
@@ -140,6 +158,9 @@ class Episode:
     appended it (an environment's observation or a tool's result between turns): the
     learner trains, and checks logprob parity, only where it is 1. Empty: every token is
     the policy's (a single model call)."""
+    reward_details: dict[str, str] = field(default_factory=dict)
+    """A reward component's explanation of its score, as JSON text, by name: where the
+    reward gave one (a Score's detail; code_tests' verdict per test)."""
 
     def __post_init__(self) -> None:
         if self.last_policy_version is None:
@@ -157,8 +178,8 @@ def to_table(episodes: list[Episode]) -> pa.Table:
         values = [getattr(ep, f.name) for ep in episodes]
         if f.name == "columns":
             values = [json.dumps(columns, sort_keys=True) for columns in values]
-        elif f.name == "reward_components":
-            values = [list(components.items()) for components in values]
+        elif f.name in ("reward_components", "reward_details"):
+            values = [list(mapping.items()) for mapping in values]
         elif f.name == "spans":
             values = [[_span_row(span) for span in spans] for spans in values]
         if pa.types.is_timestamp(f.type):
@@ -184,6 +205,7 @@ def from_table(table: pa.Table) -> list[Episode]:
             row[name] = None if value is None else value.timestamp()
         row["columns"] = json.loads(row["columns"])
         row["reward_components"] = dict(row["reward_components"] or [])
+        row["reward_details"] = dict(row["reward_details"] or [])
         row["spans"] = [_span_from_row(span) for span in row["spans"]]
         row["completion_mask"] = row["completion_mask"] or []
         out.append(Episode(**row))

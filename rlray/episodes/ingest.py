@@ -5,10 +5,11 @@
 
 An episode needs `run_id`, `episode_id`, `prompt` and `completion`; it may carry a
 `reward` (else the run's rewards score it, given the `columns` they need),
-`reward_components`, `columns`, `spans`, `policy_version` and token ids. Posted episodes
-are validated against the episode schema, scored, stored, and — when the run allows
-off-policy data (`ingest.train`) — queued for training. An episode id seen before is
-acknowledged and skipped, so a retried POST never stores or trains on it twice.
+`reward_components`, `reward_details`, `columns`, `spans`, `policy_version` and token
+ids. Posted episodes are validated against the episode schema, scored, stored, and —
+when the run allows off-policy data (`ingest.train`) — queued for training. An episode id
+seen before is acknowledged and skipped, so a retried POST never stores or trains on it
+twice.
 
 Why an aiohttp server in a Ray actor rather than Ray Serve: one endpoint, one process,
 no HTTP proxy or controller actors to run on a 2-core laptop; it starts with the job,
@@ -48,6 +49,7 @@ EXTERNAL_POLICY_VERSION = -1
 OPTIONAL = {  # what a client may post besides REQUIRED, and what it defaults to
     "reward": None,
     "reward_components": dict,
+    "reward_details": dict,
     "columns": dict,
     "spans": list,
     "policy_version": EXTERNAL_POLICY_VERSION,

@@ -86,7 +86,9 @@ def summarize(table: pa.Table) -> dict[str, Any]:
 
 def format_trace(episode: Episode) -> str:
     """Returns an episode's trace turn by turn: its prompt, then each span (model turns,
-    tool calls with arguments, result or error and latency, rewards), then its reward."""
+    tool calls with arguments, result or error and latency, rewards), or its completion
+    where it has none; then each reward component's score, with its explanation where
+    the reward gave one (code_tests: each test's verdict)."""
     lines = [
         f"episode {episode.episode_id} (run {episode.run_id}, policy v{episode.policy_version}, "
         f"finish {episode.finish_reason}, reward {episode.reward})",
@@ -100,6 +102,11 @@ def format_trace(episode: Episode) -> str:
         lines.append(
             f"completion: {tokens} tokens ({policy} the policy's, {tokens - policy} appended)"
         )
+    elif not episode.spans:
+        lines.append(f"completion: {episode.completion!r}")
+    for name, value in episode.reward_components.items():
+        detail = episode.reward_details.get(name)
+        lines.append(f"  {name} = {value}" + (f": {detail}" if detail is not None else ""))
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ component; the first of each is logged with its episode id.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlray.config import RewardSpec
-from rlray.core.episode import MAX_ABS_REWARD, Episode
+from rlray.core.episode import MAX_ABS_REWARD, Episode, Score
 from rlray.core.evaluation import EvalEpisodes, EvalSample
 from rlray.core.groups import AGENT_TRACE_COLUMN, group_key, split_uniform_groups
 from rlray.core.stats import ScoreStats
@@ -29,13 +30,18 @@ from rlray.rewards.process import RewardCallError, reward_caller
 
 logger = logging.getLogger(__name__)
 
+MAX_DETAIL_CHARS = 65536
+"""Longest explanation of a score kept on an episode (Episode.reward_details)."""
+
 
 @dataclass
 class ComponentScores:
-    """One component's scores of a batch, with an error message where it failed."""
+    """One component's scores of a batch, with an error message where it failed and its
+    explanation (JSON text) where it gave one (a Score's detail)."""
 
     values: list[float | None]
     errors: list[str | None]
+    details: list[str | None] | None = None
 
 
 class RewardWorker:
@@ -69,8 +75,13 @@ class RewardWorker:
             chunk = unscored[start : start + self.batch_size]
             for index, spec in enumerate(self.specs):
                 scores = self._component_scores(index, chunk)
-                for episode, value, error in zip(chunk, scores.values, scores.errors, strict=True):
+                details = scores.details or [None] * len(chunk)
+                for episode, value, error, detail in zip(
+                    chunk, scores.values, scores.errors, details, strict=True
+                ):
                     episode.reward_components[spec.name] = value
+                    if detail is not None:
+                        episode.reward_details[spec.name] = detail
                     if error is not None:
                         failures[spec.name] += 1
                         self._log_first(spec.name, episode.episode_id, error)
@@ -155,7 +166,9 @@ class RewardWorker:
             # Score one at a time so that only the episodes that make it fail fail.
             parts = [self._component_scores(index, [episode]) for episode in episodes]
             return ComponentScores(
-                [v for p in parts for v in p.values], [e for p in parts for e in p.errors]
+                [v for p in parts for v in p.values],
+                [e for p in parts for e in p.errors],
+                [d for p in parts for d in p.details or [None]],
             )
         return checked_scores(raw, len(episodes))
 
@@ -205,11 +218,25 @@ def checked_scores(raw: Any, count: int) -> ComponentScores:
         return ComponentScores([None] * count, [f"returned {got} for {count} episodes"] * count)
     values: list[float | None] = []
     errors: list[str | None] = []
+    details: list[str | None] = []
     for score in raw:
         value = _as_float(score)
         values.append(value)
         errors.append(None if value is not None else f"returned {score!r}")
-    return ComponentScores(values, errors)
+        details.append(_detail(score))
+    return ComponentScores(values, errors, details)
+
+
+def _detail(score: Any) -> str | None:
+    """Returns a Score's detail as JSON text (its text where it does not encode)."""
+    if not isinstance(score, Score) or score.detail is None:
+        return None
+    try:
+        text = json.dumps(score.detail, allow_nan=False)
+    except (TypeError, ValueError):
+        text = json.dumps(repr(score.detail))
+    # Too long, it is kept as a JSON string of its beginning.
+    return text if len(text) <= MAX_DETAIL_CHARS else json.dumps(text[:MAX_DETAIL_CHARS])
 
 
 def _as_float(score: Any) -> float | None:

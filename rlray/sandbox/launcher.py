@@ -1,33 +1,51 @@
-"""The sandboxed child's first program: isolates itself, then execs the code's command.
+"""The sandbox's own program: a server that forks one isolated child per run, each of
+which runs the code's source in the interpreter it was forked from.
 
-Run by `rlray.sandbox.run` as `python -I -S -B launcher.py '<json config>'`, in a fresh
-single-threaded interpreter (never between fork and exec in the caller, which may be a
-Ray actor with threads). It imports only the standard library: `-S` leaves
-site-packages out. As root it stays root until the namespaces and mounts are made. With
-namespaces it forks: this process (the watcher) stays outside the new pid namespace and
-exits as the code does; its child is pid 1 there, moves into a root of its own (see
-`private_file_system`) and execs the code.
+Run by `rlray.sandbox.run` as `python -I -S -B launcher.py '<json config>'`, a fresh
+single-threaded interpreter (never a fork of the caller, which may be a Ray actor with
+threads). It imports only the standard library: `-S` leaves site-packages out. With
+`socket` in its config it serves runs: each request on that socket (a run's limits, and
+its stdin, stdout and stderr as file descriptors) gets a forked child, answered with the
+child's pid and a pidfd of it; the exit status of each child follows once it is reaped,
+and `stop` requests kill a run. Without `socket` it makes one run itself (the isolation
+probe). Forking a warm interpreter costs a few ms; starting one, with its imports, tens.
+The server never holds a run's source or output (a child reads its source from its own
+stdin), so a child finds nothing in memory of any other run.
 
-The config's keys: caller (pid that must stay its parent), rlimits ([resource, value]
-pairs), namespaces, seccomp (bools), user ([uid, gid] or null), tmp_mb, workdir (also
-the code's home in /etc/passwd), and command (argv to exec).
+A run's child, as root, stays root until the namespaces and mounts are made. With
+namespaces it forks again: the child (the watcher) stays outside the new pid namespace
+and exits as the code does; its child is pid 1 there, moves into a root of its own (see
+`private_file_system`) and runs the code. The source comes framed on stdin (its length in
+bytes on a line, then it), so that what follows on stdin is the program's own input.
+
+The config's keys: caller (pid that must stay the server's parent), namespaces, seccomp,
+socket_guard (bools), user ([uid, gid] or null), socket (a file descriptor, or absent);
+a run's: rlimits ([resource, value] pairs), tmp_mb, workdir (also the code's home in
+/etc/passwd), id.
 """
 
+import atexit
+import builtins
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import pwd
 import resource
+import select
 import signal
+import socket
 import sys
+import traceback
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 LIBC.pivot_root.argtypes = [ctypes.c_char_p] * 2
 LIBC.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 LIBC.syscall.restype = ctypes.c_long
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+SECCOMP_MODE_FILTER = 2
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -48,6 +66,13 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "fd/0", "stdout": "fd/1", "stderr": "fd/2"}
 # The loader's index of libraries, and the time zone; passwd and group are written.
 HOST_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+
+# Imported once by the server, for every run: what programs and tests import most (as
+# LiveCodeBench's harness imports them for every solution).
+PRELOADED = (
+    *("bisect", "collections", "copy", "datetime", "functools", "heapq", "itertools"),
+    *("math", "operator", "random", "re", "statistics", "string", "typing"),
+)
 
 # Refused with EPERM (the code's own mount namespace is fixed).
 REFUSED = (
@@ -87,17 +112,134 @@ def check(result):
 
 
 def main(config):
+    if config.get("socket") is None:
+        start(config, config)
+    else:
+        serve(config)
+
+
+def serve(config):
+    """Forks a child for each run requested on the config's socket, until it closes."""
     tie_to_parent(lambda: os.getppid() == config["caller"])
-    for which, value in config["rlimits"]:
+    server = socket.socket(fileno=config["socket"])
+    if config["seccomp"]:
+        system_call_filter(seccomp_library())  # made once for every run
+    for name in PRELOADED:
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    gc.freeze()  # the collector leaves what every run shares alone: fewer pages copied
+    reaped, wake = os.pipe()  # SIGCHLD wakes the loop through it
+    for fd in (reaped, wake):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    runs = {}  # pid -> id of each run not yet reaped
+    while True:
+        ready = select.select([server, reaped], [], [])[0]
+        if reaped in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(reaped, 4096)
+            reap(server, runs, config["namespaces"])
+        if server in ready:
+            try:
+                message, fds, _, _ = socket.recv_fds(server, 65536, 3)
+            except OSError:
+                message = b""
+            if not message:
+                os._exit(0)  # the caller is gone; PR_SET_PDEATHSIG ends the runs
+            request = json.loads(message)
+            if "stop" in request:
+                stop(request["stop"], runs, config["namespaces"])
+            else:
+                fork_run(server, config, request, fds, [server.fileno(), reaped, wake], runs)
+
+
+def fork_run(server, config, request, fds, closing, runs):
+    pid = os.fork()
+    if pid == 0:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in closing:  # the server's: no run may ask for runs, or read their news
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.setsid()  # a process group of its own, killed as one
+        start({**config, "caller": os.getppid()}, request)
+    for fd in fds:
+        os.close(fd)
+    runs[pid] = request["id"]
+    pidfd = os.pidfd_open(pid)
+    reply = json.dumps({"id": request["id"], "pid": pid}).encode()
+    socket.send_fds(server, [reply], [pidfd])
+    os.close(pidfd)
+
+
+def reap(server, runs, namespaces):
+    """Reports every run that has exited, having killed what is left of its process
+    group first where there are no namespaces (its id cannot be reused before the
+    reaping)."""
+    while runs:
+        found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if found is None:
+            return
+        if not namespaces:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(found.si_pid, signal.SIGKILL)
+        code = os.waitstatus_to_exitcode(os.waitpid(found.si_pid, 0)[1])
+        if runs.pop(found.si_pid, None) is not None:
+            socket.send_fds(
+                server, [json.dumps({"exited": found.si_pid, "code": code}).encode()], []
+            )
+
+
+def stop(pid, runs, namespaces):
+    """Kills a run not yet reaped: with namespaces its watcher, told to stop, kills pid 1
+    of the run's namespace, and exits once the kernel has killed everything in it."""
+    if pid in runs:
+        with contextlib.suppress(ProcessLookupError):
+            if namespaces:
+                os.kill(pid, signal.SIGTERM)
+            else:
+                os.killpg(pid, signal.SIGKILL)
+
+
+def start(config, run):
+    """Isolates this process as the config says, with the run's limits, runs the source
+    on stdin, and exits."""
+    try:
+        isolate(config, run)
+        code = run_source(config["socket_guard"])
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finish(code)
+
+
+_SECCOMP = []
+
+
+def seccomp_library():
+    """Returns libseccomp, loaded on first use: while the host's libraries are in reach."""
+    if not _SECCOMP:
+        _SECCOMP.append(ctypes.CDLL("libseccomp.so.2"))
+    return _SECCOMP[0]
+
+
+def isolate(config, run):
+    tie_to_parent(lambda: os.getppid() == config["caller"])
+    for which, value in run["rlimits"]:
         resource.setrlimit(which, (value, value))
-    command = config["command"]
-    # Loaded while the host's libraries are still in reach.
-    seccomp = ctypes.CDLL("libseccomp.so.2") if config["seccomp"] else None
+    # Made while the host's libraries are in reach (once, where runs are served).
+    seccomp = system_call_filter(seccomp_library()) if config["seccomp"] else None
+    os.environ["HOME"] = run["workdir"]
     if config["namespaces"]:
         watcher_gone = enter_namespaces()
         user = config["user"] or (os.getuid(), os.getgid())
-        command = private_file_system(config["tmp_mb"], command, user, config["workdir"])
-        os.chdir(config["workdir"])
+        # The interpreter by its real path: a venv's link to it is not in the new root.
+        sys.executable = os.path.realpath(sys.executable)
+        private_file_system(run["tmp_mb"], user, run["workdir"])
+    os.chdir(run["workdir"])
     if config["user"] is not None:
         drop_privileges(*config["user"])
     # A credential change clears the parent-death signal: set it again, and check that
@@ -108,9 +250,57 @@ def main(config):
     else:
         tie_to_parent(lambda: os.getppid() == config["caller"])
     check(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))  # no setuid program gives them back
-    if seccomp is not None:
+    if seccomp:
         refuse_system_calls(seccomp)
-    os.execv(command[0], command)
+
+
+def run_source(socket_guard):
+    """Runs the source framed on stdin as __main__; returns its exit status."""
+    header = b""
+    while not header.endswith(b"\n") and len(header) < 32:
+        header += os.read(0, 1) or b"\n"
+    left, parts = int(header or 0), []
+    while left > 0 and (part := os.read(0, min(left, 1 << 20))):
+        parts.append(part)
+        left -= len(part)
+    if socket_guard:
+        refuse_network()
+    main_module = type(sys)("__main__")
+    main_module.__builtins__ = builtins
+    sys.modules["__main__"], sys.argv = main_module, [""]
+    try:
+        exec(compile(b"".join(parts), "<stdin>", "exec"), main_module.__dict__)
+    except SystemExit as ended:
+        if ended.code is None or isinstance(ended.code, int):
+            return ended.code or 0
+        print(ended.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def finish(code):
+    """Exits as the interpreter would at the end of a program: its threads joined, its
+    exit functions run, its output flushed."""
+    with contextlib.suppress(BaseException):
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code & 0xFF)
+
+
+def refuse_network():
+    """Without a network namespace: refuses connections and datagrams from Python code
+    (code that is determined to can undo this)."""
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("network access is disabled in this sandbox")
+
+    for name in ("connect", "connect_ex", "sendto", "sendmsg"):
+        setattr(socket.socket, name, refuse)
+    socket.create_connection = refuse
 
 
 def tie_to_parent(parent_alive):
@@ -175,18 +365,15 @@ def _encode(text):
     return None if text is None else text.encode()
 
 
-def private_file_system(tmp_mb, command, user, home):
-    """Moves this process into a new root that shows the host's system libraries and the
+def private_file_system(tmp_mb, user, home):
+    """Moves this process into a new root that shows the host's system libraries and this
     interpreter only, read-only, with a fresh /proc and one private tmpfs at /tmp,
-    /var/tmp and /dev/shm; returns `command` with its program's real path (the path it
-    was given, a venv's link say, may not exist in the new root)."""
+    /var/tmp and /dev/shm."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below reaches the host
-    program = os.path.realpath(command[0])
-    build_root(visible_directories(program), user, home)
+    build_root(visible_directories(sys.executable), user, home)
     enter_root()
     set_attributes("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID)  # every mount, recursively
     private_tmp(tmp_mb)
-    return [program, *command[1:]]
 
 
 def visible_directories(program):
@@ -300,7 +487,11 @@ def drop_privileges(uid, gid):
     os.setresuid(uid, uid, uid)
 
 
-def refuse_system_calls(seccomp):
+def system_call_filter(seccomp):
+    """Returns the seccomp BPF program that refuses REFUSED and new namespaces, made once
+    with libseccomp: a run loads it ready-made."""
+    if _FILTER:
+        return _FILTER[0]
     seccomp.seccomp_init.restype = ctypes.c_void_p
     seccomp.seccomp_init.argtypes = [ctypes.c_uint32]
     seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
@@ -311,7 +502,8 @@ def refuse_system_calls(seccomp):
         ctypes.c_uint,
         ctypes.c_void_p,
     ]
-    seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
+    seccomp.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    seccomp.seccomp_release.argtypes = [ctypes.c_void_p]
     context = seccomp.seccomp_init(SCMP_ACT_ALLOW)  # other architectures' calls: killed
 
     def refuse(name, errno, *conditions):
@@ -330,9 +522,30 @@ def refuse_system_calls(seccomp):
     for flag in (CLONE_NEWUSER, *CLONE_NEW_OTHERS):  # clone's flags are its first argument
         refuse("clone", EPERM, ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
     refuse("clone3", ENOSYS)
-    result = seccomp.seccomp_load(context)
-    if result < 0:
-        raise OSError(-result, f"seccomp_load: {os.strerror(-result)}")
+    read_end, write_end = os.pipe()
+    result = seccomp.seccomp_export_bpf(context, write_end)
+    os.close(write_end)
+    program = b"".join(iter(lambda: os.read(read_end, 65536), b""))
+    os.close(read_end)
+    seccomp.seccomp_release(context)
+    if result < 0 or not program:
+        raise OSError(-result, f"seccomp_export_bpf: {os.strerror(-result)}")
+    _FILTER.append(program)
+    return program
+
+
+_FILTER = []
+
+
+class SockFprog(ctypes.Structure):  # the kernel's struct sock_fprog
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def refuse_system_calls(program):
+    """Loads the BPF program (system_call_filter) as this process's seccomp filter."""
+    instructions = ctypes.create_string_buffer(program, len(program))
+    fprog = SockFprog(len(program) // 8, ctypes.cast(instructions, ctypes.c_void_p))
+    check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0))
 
 
 if __name__ == "__main__":

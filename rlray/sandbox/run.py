@@ -1,4 +1,6 @@
-"""Runs untrusted Python source in a sandboxed child process: `run_python(source, limits)`.
+"""Runs untrusted Python source in a sandboxed child process: `run_python(source, limits)`
+for a run whose output is read at its end, `SandboxSession(source, limits)` for one that
+answers requests line by line while it runs.
 
 What the child gets, where the machine allows it (probed once per process and logged):
 - its own user-visible world: new mount, pid, network, IPC, UTS and cgroup namespaces
@@ -65,19 +67,22 @@ import grp
 import itertools
 import json
 import logging
+import math
 import os
 import pwd
 import resource
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlray.sandbox.server import Child, SandboxServer
 
 logger = logging.getLogger(__name__)
 
@@ -87,22 +92,13 @@ _PYTHON_FLAGS = ("-I", "-S", "-B")
 _MAX_FILE_BYTES = 64 * 2**20  # RLIMIT_FSIZE: one run cannot fill the disk with one file
 _NOBODY = 65534  # uid and gid of nobody/nogroup where the names are missing
 _PRIVATE_TMP = "/tmp"  # where the private tmpfs is mounted, as the child sees it
-_STOP_GRACE_S = 10.0  # the launcher's wait for its namespace to empty once told to stop
+_STOP_GRACE_S = 10.0
+_ENVIRONMENT = {
+    "PATH": _SYSTEM_PATH,
+    "LANG": "C.UTF-8",
+}  # a run's HOME is its workdir  # the launcher's wait for its namespace to empty once told to stop
 
-# Without a network namespace: refuse connections and datagrams from Python code, then run
-# the source (read from stdin, as `python -` would) as __main__.
-_SOCKET_GUARD = """\
-import socket as _socket
-def _refuse(*args, **kwargs):
-    raise PermissionError("network access is disabled in this sandbox")
-for _name in ("connect", "connect_ex", "sendto", "sendmsg"):
-    setattr(_socket.socket, _name, _refuse)
-_socket.create_connection = _refuse
-del _socket, _refuse, _name
-exec(compile(__import__("sys").stdin.buffer.read(), "<stdin>", "exec"))
-"""
-
-# The child's first program, a file of its own run by path (see its docstring).
+# The child's program, a file of its own run by path (see its docstring).
 _LAUNCHER = Path(__file__).with_name("launcher.py")
 
 
@@ -151,24 +147,111 @@ class _Isolation:
     """Whether the child's system calls are filtered."""
 
 
-def run_python(source: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Returns the exit status and output of `source` run as __main__ under `limits`."""
+def run_python(
+    source: str, limits: SandboxLimits = SandboxLimits(), stdin: bytes = b""
+) -> SandboxResult:
+    """Returns the exit status and output of `source` run as __main__ under `limits`, with
+    `stdin` as its standard input."""
     isolation = _isolation()
     started = time.monotonic()
-    with _workdir(isolation) as workdir, _start(isolation, limits, workdir) as process:
+    with _workdir(isolation) as workdir, _start(isolation, limits, workdir) as child:
         try:
-            _send_source(process, source)
+            _send_source(child, source)
             deadline = started + limits.timeout_s
-            stdout, stderr, timed_out = _collect_output(process, deadline, limits)
+            stdout, stderr, timed_out = _collect_output(child, deadline, limits, stdin)
         finally:
-            _stop(process, isolation)
+            returncode = _stop(child)
     return SandboxResult(
-        returncode=None if timed_out else process.returncode,
+        returncode=None if timed_out else returncode,
         stdout=stdout.decode("utf-8", errors="replace"),
         stderr=stderr.decode("utf-8", errors="replace"),
         timed_out=timed_out,
         seconds=time.monotonic() - started,
     )
+
+
+class SandboxSession:
+    """A sandboxed child that runs `source` and keeps running: the caller writes lines to
+    its stdin and reads the lines it writes to its stdout, each within a deadline; its
+    stderr is read and dropped. The session ends `limits.timeout_s` after its start, and
+    once a read or a write failed (the child may still answer a request that timed out,
+    so nothing later could be told apart)."""
+
+    def __init__(self, source: str, limits: SandboxLimits = SandboxLimits()):
+        self._isolation = _isolation()
+        self._end = time.monotonic() + limits.timeout_s
+        self._max_line = limits.max_output_bytes
+        self._stack = contextlib.ExitStack()
+        workdir = self._stack.enter_context(_workdir(self._isolation))
+        self._process = self._stack.enter_context(_start(self._isolation, limits, workdir))
+        # Killed and reaped by the server in its own time: nothing here needs its status.
+        self._stack.callback(self._process.stop)
+        self._received = bytearray()
+        self.open = True
+        _send_source(self._process, source)
+
+    def __enter__(self) -> SandboxSession:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kills every process of the session."""
+        self.open = False
+        self._stack.close()
+
+    def send(self, line: bytes, deadline: float) -> bool:
+        """Writes `line` and a newline; returns whether all of it was written in time."""
+        pending = memoryview(line + b"\n")
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdin, selectors.EVENT_WRITE)
+            while self.open and pending:
+                if not selector.select(self._remaining(deadline)):
+                    self.open = False
+                    break
+                try:
+                    pending = pending[os.write(self._process.stdin.fileno(), pending[:65536]) :]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    self.open = False
+        return self.open
+
+    def receive(self, deadline: float) -> bytes | None:
+        """Returns the child's next line, without its newline; None where it ended its
+        output, the deadline came first, or the line is over the output limit."""
+        stdout, stderr = self._process.stdout.fileno(), self._process.stderr.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(stdout, selectors.EVENT_READ)
+            selector.register(stderr, selectors.EVENT_READ)
+            while self.open and b"\n" not in self._received:
+                if len(self._received) > self._max_line:
+                    self.open = False
+                    break
+                ready = selector.select(self._remaining(deadline))
+                if not ready:
+                    self.open = False
+                for key, _ in ready:
+                    chunk = os.read(key.fd, 65536)
+                    if key.fd == stderr:
+                        if not chunk:
+                            selector.unregister(stderr)
+                    elif chunk:
+                        self._received += chunk
+                    else:
+                        self.open = False
+        if not self.open:
+            return None
+        line, _, rest = bytes(self._received).partition(b"\n")
+        self._received = bytearray(rest)
+        if len(line) > self._max_line:
+            self.open = False
+            return None
+        return line
+
+    def _remaining(self, deadline: float) -> float:
+        return max(0.0, min(deadline, self._end) - time.monotonic())
 
 
 @contextlib.contextmanager
@@ -183,76 +266,130 @@ def _workdir(isolation: _Isolation):
         yield workdir
 
 
-def _start(isolation: _Isolation, limits: SandboxLimits, workdir: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        _launch_command(isolation, limits, workdir, _code_command(isolation)),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        bufsize=0,
-        cwd="/" if isolation.namespaces else workdir,
-        env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8", "HOME": workdir},
-        start_new_session=True,  # its own process group, killed as one
-    )
+@contextlib.contextmanager
+def _start(isolation: _Isolation, limits: SandboxLimits, workdir: str) -> Iterator[Child]:
+    """Yields a run started by this process's sandbox server, its pipes closed after."""
+    pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read end, write end)
+    theirs = (pipes[0][0], pipes[1][1], pipes[2][1])
+    ours = (pipes[0][1], pipes[1][0], pipes[2][0])
+    try:
+        pid, pidfd = _server(isolation).start(_run_config(isolation, limits, workdir), theirs)
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    child = Child(_server(isolation), pid, pidfd, ours)
+    try:
+        yield child
+    finally:
+        child.close()
 
 
-def _code_command(isolation: _Isolation) -> list[str]:
-    """Returns the command that runs the source on stdin."""
-    if isolation.namespaces:
-        return [isolation.interpreter, *_PYTHON_FLAGS, "-"]
-    return [isolation.interpreter, *_PYTHON_FLAGS, "-c", _SOCKET_GUARD]
+_SERVERS: dict[_Isolation, SandboxServer] = {}
+_SERVERS_LOCK = threading.Lock()
 
 
-def _launch_command(
-    isolation: _Isolation, limits: SandboxLimits, workdir: str, command: list[str]
-) -> list[str]:
-    """Returns the command that isolates itself as `isolation` says, then execs `command`."""
-    config = {
+def _server(isolation: _Isolation) -> SandboxServer:
+    """Returns this process's sandbox server, started on first use and again if it ended
+    (or this process is a fork of the one that started it)."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(isolation)
+        if server is None or not server.alive or server.pid != os.getpid():
+            server = SandboxServer(
+                _launcher_command(isolation), _server_config(isolation), _ENVIRONMENT
+            )
+            _SERVERS[isolation] = server
+        return server
+
+
+def _framed(source: str) -> bytes:
+    """Returns `source` as the launcher reads it: its length in bytes on a line, then it."""
+    encoded = source.encode("utf-8", errors="replace")
+    return b"%d\n%b" % (len(encoded), encoded)
+
+
+def _launcher_command(isolation: _Isolation) -> list[str]:
+    return [isolation.interpreter, *_PYTHON_FLAGS, str(_LAUNCHER)]
+
+
+def _server_config(isolation: _Isolation) -> dict:
+    """Returns the launcher's config: how every run it makes is isolated."""
+    return {
         "caller": os.getpid(),
-        "rlimits": _resource_limits(limits, _process_limit(isolation, limits)),
         "namespaces": isolation.namespaces,
         "seccomp": isolation.seccomp,
         "user": isolation.user,
+        "socket_guard": not isolation.namespaces,
+    }
+
+
+def _run_config(isolation: _Isolation, limits: SandboxLimits, workdir: str) -> dict:
+    """Returns a run's limits and place as the launcher takes them."""
+    return {
+        "rlimits": _resource_limits(limits, _process_limit(isolation, limits)),
         "tmp_mb": limits.tmp_mb,
         "workdir": workdir,
-        "command": command,
     }
-    return [isolation.interpreter, *_PYTHON_FLAGS, str(_LAUNCHER), json.dumps(config)]
 
 
-def _send_source(process: subprocess.Popen, source: str) -> None:
-    # A blocking write cannot hang on untrusted code: the interpreter reads all of stdin
+def _send_source(process: Child, source: str) -> None:
+    # A blocking write cannot hang on untrusted code: the launcher reads the whole source
     # before it runs any of it. Source on stdin is in no file the code could read back.
     with contextlib.suppress(BrokenPipeError):
-        process.stdin.write(source.encode("utf-8", errors="replace"))
-    with contextlib.suppress(BrokenPipeError):
-        process.stdin.close()
+        process.stdin.write(_framed(source))
+    os.set_blocking(process.stdin.fileno(), False)  # what follows, the code may not read
 
 
 def _collect_output(
-    process: subprocess.Popen, deadline: float, limits: SandboxLimits
+    process: Child, deadline: float, limits: SandboxLimits, stdin: bytes
 ) -> tuple[bytes, bytes, bool]:
-    """Returns stdout, stderr (each cut at the limit) and whether the deadline passed first.
+    """Returns stdout, stderr (each cut at the limit) and whether the deadline passed first,
+    having written `stdin` as far as the child read it, then closed it.
 
-    Reads until the child has exited and every process sharing its output has closed it.
-    The child is not reaped here, so that its process group id cannot be reused before
-    the group is killed."""
+    Reads until the child has exited and every process sharing its output has closed it."""
     outputs = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
-    exit_fd = os.pidfd_open(process.pid)  # readable once the child has exited
+    pending = memoryview(stdin)
     timed_out = False
     try:
         with selectors.DefaultSelector() as selector:
-            for fd in [*outputs, exit_fd]:
+            watched = [*outputs, process.pidfd]  # the pidfd: readable once the child exited
+            for fd in watched:
                 selector.register(fd, selectors.EVENT_READ)
-            while selector.get_map() and not timed_out:
+            selector.register(process.stdin, selectors.EVENT_WRITE)
+            while any(fd in selector.get_map() for fd in watched):
                 remaining = deadline - time.monotonic()
                 timed_out = remaining <= 0
-                for key, _ in selector.select(max(remaining, 0)):
-                    _read_ready(key.fd, selector, outputs, limits.max_output_bytes)
+                if timed_out:
+                    break
+                for key, _ in selector.select(remaining):
+                    if key.fileobj is process.stdin:
+                        pending = _write_ready(process.stdin, selector, pending)
+                    else:
+                        _read_ready(key.fd, selector, outputs, limits.max_output_bytes)
     finally:
-        os.close(exit_fd)
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.close()
     stdout, stderr = outputs.values()
     return bytes(stdout), bytes(stderr), timed_out
+
+
+def _write_ready(pipe, selector: selectors.BaseSelector, pending: memoryview) -> memoryview:
+    """Writes what the pipe takes of `pending`; returns the rest. The pipe is closed (EOF
+    for the code) once all is written, or dropped where the code closed its end."""
+    try:
+        pending = pending[os.write(pipe.fileno(), pending[:65536]) :] if pending else pending
+    except (BrokenPipeError, BlockingIOError) as error:
+        if isinstance(error, BlockingIOError):
+            return pending
+        pending = pending[:0]
+    if not pending:
+        selector.unregister(pipe)
+        with contextlib.suppress(BrokenPipeError):
+            pipe.close()
+    return pending
 
 
 def _read_ready(
@@ -267,21 +404,19 @@ def _read_ready(
         outputs[fd] += chunk[: max_bytes - len(outputs[fd])]
 
 
-def _stop(process: subprocess.Popen, isolation: _Isolation) -> None:
-    """Kills every process of the run that is left, then reaps the child.
+def _stop(child: Child) -> int | None:
+    """Kills every process of the run that is left; returns its exit status.
 
-    With namespaces the child is the watcher: told to stop, it kills pid 1 of the run's
-    namespace, and exits once the kernel has killed everything in it. Killing its process
-    group too would kill the watcher first, and the rest a moment after we return."""
-    if isolation.namespaces:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=_STOP_GRACE_S)
-            return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    The server kills it: with namespaces its watcher kills pid 1 of the run's namespace,
+    and exits once the kernel has killed everything in it; without, its process group,
+    whose id the server does not let go of (reap) before. A run that does not end within
+    the grace time is killed outright."""
+    child.stop()
+    code = child.wait(_STOP_GRACE_S)
+    if code is None:
+        child.kill()
+        code = child.wait(_STOP_GRACE_S)
+    return code
 
 
 def _resource_limits(limits: SandboxLimits, max_tasks: int) -> list[tuple[int, int]]:
@@ -313,16 +448,34 @@ def _process_limit(isolation: _Isolation, limits: SandboxLimits) -> int:
     return _tasks_of_user(uid) + limits.max_processes + watcher
 
 
+_TASK_COUNT_TTL_S = 0.25  # runs started this close together share one count
+_task_counts: dict[int, tuple[float, int]] = {}
+
+
 def _tasks_of_user(uid: int) -> int:
+    """Returns the tasks (threads) whose real uid is `uid`: a count of at most
+    _TASK_COUNT_TTL_S ago (reading every /proc/<pid>/status costs a run's start again)."""
+    counted_at, count = _task_counts.get(uid, (-math.inf, 0))
+    if time.monotonic() - counted_at > _TASK_COUNT_TTL_S:
+        count = _count_tasks_of_user(uid)
+        _task_counts[uid] = (time.monotonic(), count)
+    return count
+
+
+def _count_tasks_of_user(uid: int) -> int:
+    wanted = b"\nUid:\t%d\t" % uid
     count = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
         try:
-            lines = status.read_text().splitlines()
+            with open(f"/proc/{pid}/status", "rb") as file:
+                status = file.read()
         except OSError:
             continue  # exited while listed
-        fields = {key: value for key, _, value in (line.partition(":") for line in lines)}
-        if int(fields["Uid"].split()[0]) == uid:
-            count += int(fields["Threads"])
+        if wanted in status:
+            start = status.index(b"\nThreads:") + 9
+            count += int(status[start : status.index(b"\n", start)])
     return count
 
 
@@ -384,13 +537,14 @@ def _unprivileged_user() -> tuple[int, int]:
 def _starts(isolation: _Isolation) -> bool:
     """Returns whether a child started this way runs Python."""
     workdir = _PRIVATE_TMP if isolation.namespaces else "/"
-    code = [isolation.interpreter, *_PYTHON_FLAGS, "-c", "pass"]
+    config = {**_server_config(isolation), **_run_config(isolation, SandboxLimits(), workdir)}
     try:
         probe = subprocess.run(
-            _launch_command(isolation, SandboxLimits(), workdir, code),
+            [*_launcher_command(isolation), json.dumps(config)],
+            input=_framed("pass"),
             capture_output=True,
             cwd="/",
-            env={"PATH": _SYSTEM_PATH, "LANG": "C.UTF-8"},
+            env=_ENVIRONMENT,
             timeout=30,
         )
     except (OSError, subprocess.SubprocessError) as error:
