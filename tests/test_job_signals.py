@@ -157,7 +157,8 @@ def test_a_sigterm_to_the_whole_process_group_ends_the_run_and_its_local_ray(tmp
     run_dir = tmp_path / "run"
     job = start_job(["--learner.steps", "100000", "--run-dir", str(run_dir)], env)
     try:
-        wait_for_line(job, "step ", anywhere=True)  # training
+        # A training step's line ("eval  step    0" comes first, before any is trained).
+        wait_for_line(job, "/100000  reward", anywhere=True)
         ray_processes = psutil.Process(job.pid).children(recursive=True)
         assert {"raylet", "gcs_server"} <= {p.name() for p in ray_processes}
         in_the_jobs_group = [p.name() for p in ray_processes if os.getpgid(p.pid) == job.pid]

@@ -31,6 +31,7 @@ BUILTIN_COUNTDOWN_MODEL = "builtin:tiny-countdown"
 BUILTIN_COUNTDOWN = "builtin:countdown"
 # A published model from a package (rlray.data.published): SmolLM2-135M-Instruct.
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
+BUILTIN_PYTHON_FUNCTIONS = "builtin:python-functions"
 # learner.micro_batch_tokens' default on CPU: the micro-batch size that fits the caches.
 CPU_MICRO_BATCH_TOKENS = 2048
 # learner.micro_batch_size's default where no token bound applies (GPUs).
@@ -169,15 +170,18 @@ class DataConfig:
     train: str = BUILTIN_DATA
     """Training prompts: builtin:arithmetic, builtin:multiplication (two-digit a*b, the
     calculator task's), builtin:countdown (the long-tail task: "23-5=" answered "18 13
-    08 03"), reasoning_gym:<task> (one of reasoning-gym's procedural tasks, made with
+    08 03"), builtin:python-functions (short Python functions to write, each with three
+    asserts for code_tests; questions put in data.question_template),
+    reasoning_gym:<task> (one of reasoning-gym's procedural tasks, made with
     data.task_config, seeded by the run; reward reasoning_gym scores it), or a JSONL file
     with a "prompt" field per line, or a "question" (GSM8K's format: put in
     data.question_template); other fields (e.g. "answer") reach the reward functions as
     columns."""
     eval: str = BUILTIN_DATA
-    """Held-out prompts for greedy evaluation: builtin:arithmetic, builtin:multiplication
-    or builtin:countdown (pairs disjoint from training), reasoning_gym:<task> (questions
-    disjoint from training, the same whatever the run seed), or a JSONL file as
+    """Held-out prompts for greedy evaluation: builtin:arithmetic, builtin:multiplication,
+    builtin:countdown (pairs disjoint from training), builtin:python-functions (problems
+    disjoint from training), reasoning_gym:<task> (questions disjoint from training, the
+    same whatever the run seed), or a JSONL file as
     data.train's, with the fields the eval rewards take (e.g. "answer"). Scored by the
     eval rewards (eval.rewards, else reward.functions)."""
     task_config: dict[str, Any] = field(default_factory=dict)

@@ -17,11 +17,13 @@ from rlray.config import (
     BUILTIN_COUNTDOWN,
     BUILTIN_DATA,
     BUILTIN_MULTIPLICATION,
+    BUILTIN_PYTHON_FUNCTIONS,
     ConfigError,
     DataConfig,
 )
 from rlray.core.prompt import Message, PromptRow
 from rlray.data.chat import MESSAGES_COLUMN, message_list_problem, prompt_preview
+from rlray.data.code_tasks import PythonFunctionsTask
 from rlray.data.task_libraries import ReasoningGymPrompts, question_row, reasoning_gym_task
 from rlray.data.tasks import COUNTDOWN, MULTIPLICATION, OperandTask, TaskPrompts, addition
 
@@ -131,12 +133,16 @@ def builtin_task(data: DataConfig, name: str, field_name: str) -> OperandTask | 
     if name in tasks:
         return tasks[name]
     if name.startswith("builtin:"):
-        raise ConfigError(f"{field_name}: unknown built-in {name!r}; known: {', '.join(tasks)}")
+        known = ", ".join([*tasks, BUILTIN_PYTHON_FUNCTIONS])
+        raise ConfigError(f"{field_name}: unknown built-in {name!r}; known: {known}")
     return None
 
 
 def train_prompts(data: DataConfig, seed: int) -> PromptSource:
     """Returns the training prompt stream named by the config."""
+    if data.train == BUILTIN_PYTHON_FUNCTIONS:
+        rows = PythonFunctionsTask(data.question_template).training_rows(data.eval_size)
+        return FilePrompts(rows, seed, data.shuffle)
     if task := builtin_task(data, data.train, "data.train"):
         return TaskPrompts(task, seed, held_out=data.eval_size)
     if library_task := reasoning_gym_task(data, data.train):
@@ -149,6 +155,8 @@ def eval_rows(data: DataConfig) -> list[PromptRow]:
     """Returns the held-out evaluation prompts (the built-ins with an 'answer' column, a
     reasoning-gym task's held-out split with what its scorer needs; a file's rows need
     the columns the eval rewards take)."""
+    if data.eval == BUILTIN_PYTHON_FUNCTIONS:
+        return PythonFunctionsTask(data.question_template).held_out_rows(data.eval_size)
     if task := builtin_task(data, data.eval, "data.eval"):
         return task.held_out_rows(data.eval_size)
     if library_task := reasoning_gym_task(data, data.eval):

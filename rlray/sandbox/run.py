@@ -36,11 +36,11 @@ Why our own code rather than bubblewrap: it would make the same namespaces and m
 with the same kernel calls, but it is one more system package on every machine and Ray
 node that scores code; as root it maps the code to uid 0 outside its user namespace, so
 we would drop to `nobody` before it anyway; and the filter beyond namespaces (ptrace,
-keyrings, io_uring) would still be ours. The setup runs in a launcher (`launcher.py`), a
-fresh single-threaded interpreter that the caller execs, never between fork and exec in
-the caller, which may be a Ray actor with threads. A run costs about 20-35 ms more than
-a bare child (the launcher's start and the namespaces; 39 -> 73 ms median for a small
-program on the loaded 2-core reference machine); building its own root adds some 3 ms.
+keyrings, io_uring) would still be ours. The setup runs in a sandbox server
+(`launcher.py`, rlray/sandbox/server.py): a fresh single-threaded interpreter that the
+caller starts once, never a fork of the caller, which may be a Ray actor with threads. It
+forks each run, which isolates itself and runs the source in that warm interpreter:
+cheaper than starting an interpreter a run (BENCHMARKS.md, the code tests' section).
 
 Where namespaces are refused (a container without CAP_SYS_ADMIN, a kernel without user
 namespaces, mount_setattr or pivot_root), or its own root cannot be built (an

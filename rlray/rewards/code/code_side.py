@@ -20,7 +20,7 @@ likes where the answers go. Nothing here is a defence; the defence is what this 
 is never given (rlray.rewards.code).
 
 This module imports only the standard library and rlray.rewards.code.plain, which the
-sandbox's program defines from their text (rlray.rewards.code.programs).
+sandbox's program defines (rlray.rewards.code.programs).
 """
 
 from __future__ import annotations

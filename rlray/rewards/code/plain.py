@@ -10,7 +10,7 @@ defines. Floats cross as hex, so every bit (NaN, infinities, -0.0) survives.
 `reference` lets a caller put something else in a value's place: a stand-in for one of
 the code's objects crosses as ["ref", what reference returned].
 
-This module imports only the standard library: its text also runs in the sandboxes
+This module imports only the standard library: it also runs in the sandboxes
 (rlray.rewards.code.programs).
 """
 
