@@ -75,6 +75,7 @@ def step_inputs(**changes) -> StepInputs:
     values = {
         "rewards": torch.tensor([1.0, 1.0, 0.0, 1.0]),
         "group": torch.tensor([0, 0, 1, 1]),
+        "sample": torch.tensor([0, 1, 2, 3]),
         "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0]]),
         "old_logp": torch.zeros(4, 2),
         "ref_logp": None,

@@ -5,7 +5,13 @@ import pytest
 
 from rlray.config import RewardSpec
 from rlray.core.episode import Episode
-from rlray.core.groups import check_whole_groups, group_indexes, split_uniform_groups
+from rlray.core.groups import (
+    AGENT_TRACE_COLUMN,
+    check_whole_groups,
+    group_indexes,
+    sample_indexes,
+    split_uniform_groups,
+)
 from rlray.rewards.worker import RewardWorker
 
 
@@ -32,6 +38,19 @@ def test_group_indexes_follow_first_appearance_and_posted_prompts_group_by_text(
     episodes = [episode(5, 0, 1), episode(3, 0, 1), episode(5, 1, 0)]
     episodes += [episode(-1, 0, 1, "2+2="), episode(-1, 0, 0, "2+2="), episode(-1, 0, 1, "3+3=")]
     assert group_indexes(episodes) == [0, 1, 0, 2, 2, 3]
+
+
+def test_an_agent_traces_episodes_are_one_sample_and_every_other_episode_its_own():
+    calls = [episode(7, 1, 0.0) for _ in range(3)]  # one trace's three model calls
+    for index, call in enumerate(calls):
+        call.episode_id += f"-t-{index}"
+        call.columns[AGENT_TRACE_COLUMN] = "t"
+    other = episode(7, 2, 0.0)
+    other.columns[AGENT_TRACE_COLUMN] = "u"
+    posted = [episode(-1, 0, 1, "2+2="), episode(-1, 0, 1, "2+2=")]
+    posted[1].episode_id = "r-posted-2"
+    episodes = [episode(7, 0, 1.0), *calls, other, *posted]
+    assert sample_indexes(episodes) == [0, 1, 1, 1, 2, 3, 4]
 
 
 def test_split_groups_are_refused_and_posted_episodes_are_not_checked():

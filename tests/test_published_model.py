@@ -5,8 +5,9 @@ sync, and checkpoints that load back in transformers and in vLLM. Beside it, a f
 another architecture on disk (a Qwen2 saved by transformers with SmolLM2's BPE tokenizer
 and chat template) goes the same way on GSM8K-format questions scored by math-verify.
 
-The two jobs start together (their start-ups overlap); SmolLM2 is built once per cache
-(about 35 s on 2 cores) and reused after.
+The two jobs start together (their start-ups overlap), then SmolLM2 on the code example
+(builtin:python-functions scored by code_tests); SmolLM2 is built once per cache (about
+35 s on 2 cores) and reused after.
 """
 
 from __future__ import annotations
@@ -86,6 +87,12 @@ def published_runs(job_env, tmp_path_factory):
     results = run_jobs_at_once(
         [[*args, "--run-dir", str(root / name)] for name, args in runs.items()], job_env
     )
+    # The code example after them: two SmolLM2 jobs at once would not leave the other
+    # pytest worker room on 24 GiB.
+    code = ["--config", "examples/smollm2-python.yaml", *FEW_STEPS]
+    code += ["--rollout.max_new_tokens", "48", "--run-dir", str(root / "python")]
+    runs["python"] = code
+    results += run_jobs_at_once([code], job_env)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     return root, dict(zip(runs, results, strict=True)), qwen2
@@ -161,6 +168,21 @@ def test_a_folder_of_another_architecture_runs_the_same_way(published_runs):
     stored = episodes(root / "qwen2")
     assert all(e.prompt.startswith("<|im_start|>system\nPut the final answer") for e in stored)
     assert all(set(e.reward_components) == {"math_verify"} for e in stored)
+
+
+@pytest.mark.slow
+def test_smollm2_trains_on_python_functions_with_each_tests_verdict_kept(published_runs):
+    root, results, _ = published_runs
+    steps = metrics(root / "python")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["logprob_parity_error"] <= 2e-4 for r in steps)
+    stored = episodes(root / "python")
+    assert stored and all(set(e.reward_components) == {"code_tests"} for e in stored)
+    for e in stored:
+        verdicts = [v for v, _ in json.loads(e.reward_details["code_tests"])["tests"]]
+        assert len(verdicts) == 3 and set(verdicts) <= {"pass", "fail", "error", "timeout"}
+        assert e.reward_components["code_tests"] == verdicts.count("pass") / 3
+    assert "done: 2 steps, held-out reward/greedy_accuracy" in results["python"].stdout
 
 
 @pytest.mark.slow

@@ -158,6 +158,60 @@ def test_group_estimators_vectorised_equal_a_loop_over_groups():
         assert rloo[i].item() == pytest.approx(scores[i].item() - statistics.mean(others), 1e-5)
 
 
+# An agent task's group: four traces of one prompt rewarded [1, 0, 0, 0], the second made
+# of 3 episodes (model calls). Each trace is one sample: the baseline is 1/4, not the
+# 1/6 that counting rows gives.
+TRACE_SCORES = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+TRACE_GROUP = torch.zeros(6, dtype=torch.long)
+TRACE_SAMPLE = torch.tensor([0, 1, 1, 1, 2, 3])
+
+
+def test_a_trace_is_one_sample_in_its_groups_mean_and_std():
+    mean = rm.group_mean(TRACE_SCORES, TRACE_GROUP, TRACE_SAMPLE)
+    torch.testing.assert_close(mean, torch.full((6,), 0.25))
+    # samples [1, 0, 0, 0]: unbiased variance (9/16 + 3 * 1/16) / 3 = 1/4
+    torch.testing.assert_close(rm.group_std(TRACE_SCORES, TRACE_GROUP, TRACE_SAMPLE), mean * 2)
+
+
+def test_dr_grpo_counts_a_trace_once_hand_values():
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25, -0.25, -0.25])
+    torch.testing.assert_close(
+        rm.dr_grpo_advantages(TRACE_SCORES, TRACE_GROUP, TRACE_SAMPLE), expected
+    )
+
+
+def test_grpo_counts_a_trace_once_hand_values():
+    # (r - 1/4) / (1/2)
+    expected = torch.tensor([1.5, -0.5, -0.5, -0.5, -0.5, -0.5])
+    advantages = rm.grpo_advantages(TRACE_SCORES, TRACE_GROUP, eps=0.0, sample=TRACE_SAMPLE)
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_rloo_leaves_a_whole_trace_out_hand_values():
+    # trace 0: 1 - mean(0, 0, 0) = 1; any other: 0 - mean(1, 0, 0) = -1/3 (its own trace,
+    # all its rows, left out; counting rows gave -1/5)
+    expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, -1 / 3, -1 / 3])
+    torch.testing.assert_close(
+        rm.rloo_advantages(TRACE_SCORES, TRACE_GROUP, TRACE_SAMPLE), expected
+    )
+
+
+def test_reinforce_pp_baseline_centres_on_a_mean_that_counts_a_trace_once():
+    mask = torch.ones(6, 1)
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, -0.25, -0.25])[:, None]
+    advantages = rm.reinforce_pp_baseline_advantages(TRACE_SCORES, TRACE_GROUP, mask, TRACE_SAMPLE)
+    torch.testing.assert_close(advantages, rm.masked_whiten(centred, mask))
+
+
+def test_samples_of_one_row_each_give_the_row_counting_estimators():
+    one_each = torch.arange(len(SCORES))
+    for name in ("grpo_advantages", "dr_grpo_advantages", "rloo_advantages"):
+        estimator = getattr(rm, name)
+        torch.testing.assert_close(
+            estimator(SCORES, GROUP, sample=one_each), estimator(SCORES, GROUP), msg=name
+        )
+
+
 def test_reinforce_pp_hand_values():
     # gamma 1: returns [[1, 1], [0.5, -]]; over 3 real tokens mean 5/6, variance 1/18
     rewards = torch.tensor([[0.0, 1.0], [0.5, 7.0]])

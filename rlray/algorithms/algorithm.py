@@ -30,6 +30,7 @@ class StepInputs:
 
     rewards: torch.Tensor  # (B,) each episode's total reward
     group: torch.Tensor  # (B,) long: index of the episode's group (its prompt)
+    sample: torch.Tensor  # (B,) long: index of its sample (an agent trace's episodes: one)
     mask: torch.Tensor  # (B, T) 1.0 on completion tokens
     old_logp: torch.Tensor  # (B, T) the learner's logprobs before the update
     ref_logp: torch.Tensor | None  # (B, T) the reference model's, if it is held
@@ -120,7 +121,15 @@ class Algorithm:
         rewards = rm.token_rewards(step.rewards, zero_kl, mask, reward_kl)  # (B, T)
         scores = rm.masked_sum(rewards, mask, dim=1)  # (B,) reward minus KL penalty
         inputs = EstimatorInputs(
-            rewards, scores, step.group, mask, step.values, s.gamma, s.lam, s.whiten_advantages
+            rewards,
+            scores,
+            step.group,
+            step.sample,
+            mask,
+            step.values,
+            s.gamma,
+            s.lam,
+            s.whiten_advantages,
         )
         advantages, returns = ESTIMATORS[s.advantage].compute(inputs)
         return Advantages(advantages, returns, kl)

@@ -25,6 +25,7 @@ class EstimatorInputs:
     rewards: torch.Tensor  # (B, T) per-token rewards: the total at the last token, minus KL
     scores: torch.Tensor  # (B,) each episode's reward minus its KL penalty
     group: torch.Tensor  # (B,) long: index of the episode's group (its prompt)
+    sample: torch.Tensor  # (B,) long: index of its sample (an agent trace's episodes: one)
     mask: torch.Tensor  # (B, T) 1.0 on the policy's completion tokens
     values: torch.Tensor | None  # (B, T) the critic's, for estimators that need one
     gamma: float
@@ -76,19 +77,19 @@ def gae(x: EstimatorInputs) -> Advantages:
 @estimator("grpo", compares_groups=True)
 def grpo(x: EstimatorInputs) -> Advantages:
     """(r - group mean) / group std, on every token (GRPO)."""
-    return rm.grpo_advantages(x.scores, x.group)[:, None] * x.mask, None
+    return rm.grpo_advantages(x.scores, x.group, sample=x.sample)[:, None] * x.mask, None
 
 
 @estimator("dr_grpo", compares_groups=True)
 def dr_grpo(x: EstimatorInputs) -> Advantages:
     """r - group mean (Dr. GRPO; pair it with seq_mean_token_sum_norm)."""
-    return rm.dr_grpo_advantages(x.scores, x.group)[:, None] * x.mask, None
+    return rm.dr_grpo_advantages(x.scores, x.group, x.sample)[:, None] * x.mask, None
 
 
 @estimator("rloo", compares_groups=True)
 def rloo(x: EstimatorInputs) -> Advantages:
     """r - mean of the group's other samples (REINFORCE leave-one-out)."""
-    return rm.rloo_advantages(x.scores, x.group)[:, None] * x.mask, None
+    return rm.rloo_advantages(x.scores, x.group, x.sample)[:, None] * x.mask, None
 
 
 @estimator("reinforce_pp")
@@ -100,4 +101,4 @@ def reinforce_pp(x: EstimatorInputs) -> Advantages:
 @estimator("reinforce_pp_baseline", compares_groups=True)
 def reinforce_pp_baseline(x: EstimatorInputs) -> Advantages:
     """r - group mean, whitened over the batch (REINFORCE++ with a baseline)."""
-    return rm.reinforce_pp_baseline_advantages(x.scores, x.group, x.mask), None
+    return rm.reinforce_pp_baseline_advantages(x.scores, x.group, x.mask, x.sample), None

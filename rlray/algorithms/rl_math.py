@@ -116,43 +116,76 @@ def gae(
     return advantages, returns
 
 
-def group_mean(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Returns (B,) the mean score of each episode's group."""
-    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))
-    total = torch.zeros_like(scores).index_add_(0, group, scores)
-    return (total / count.clamp(min=1.0))[group]
+def sample_weights(sample: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Returns (B,) each row's weight in its group's statistics, 1/k for a row of a sample
+    of k rows (an agent trace's k episodes are one sample of its prompt); 1 for every row
+    without `sample` (each row its own sample)."""
+    if sample is None:
+        return torch.ones_like(like)
+    rows = torch.zeros_like(like).index_add_(0, sample, torch.ones_like(like))
+    return 1.0 / rows[sample]
 
 
-def group_std(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Returns (B,) the unbiased (n - 1) standard deviation of each episode's group; 0 for
-    groups of one."""
-    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))
-    squares = (scores - group_mean(scores, group)) ** 2
-    total = torch.zeros_like(scores).index_add_(0, group, squares)
-    return (total / (count - 1.0).clamp(min=1.0)).sqrt()[group]
+def _group_sum(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(values).index_add_(0, group, values)[group]
 
 
-def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_mean(
+    scores: torch.Tensor, group: torch.Tensor, sample: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Returns (B,) the mean score of each episode's group, a sample counted once however
+    many rows it has (sample_weights)."""
+    weight = sample_weights(sample, scores)
+    return _group_sum(weight * scores, group) / _group_sum(weight, group).clamp(min=1e-12)
+
+
+def group_std(
+    scores: torch.Tensor, group: torch.Tensor, sample: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Returns (B,) the unbiased (n - 1) standard deviation of each episode's group of n
+    samples, a sample counted once (sample_weights); 0 for groups of one."""
+    weight = sample_weights(sample, scores)
+    count = _group_sum(weight, group)
+    squares = weight * (scores - group_mean(scores, group, sample)) ** 2
+    return (_group_sum(squares, group) / (count - 1.0).clamp(min=1.0)).sqrt()
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    eps: float = 1e-6,
+    sample: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Returns (B,) GRPO advantages A_i = (r_i - mean_g) / (std_g + eps), mean and
-    unbiased std over the episode's group g.
+    unbiased std over the episode's group g of samples (each counted once).
     (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300, sec. 4.1.2.)"""
-    return (scores - group_mean(scores, group)) / (group_std(scores, group) + eps)
+    spread = group_std(scores, group, sample)
+    return (scores - group_mean(scores, group, sample)) / (spread + eps)
 
 
-def dr_grpo_advantages(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+def dr_grpo_advantages(
+    scores: torch.Tensor, group: torch.Tensor, sample: torch.Tensor | None = None
+) -> torch.Tensor:
     """Returns (B,) Dr. GRPO advantages A_i = r_i - mean_g: GRPO without the std division,
     which over-weights groups that are nearly all right or all wrong.
     (Liu et al. 2025, Understanding R1-Zero-Like Training, https://arxiv.org/abs/2503.20783.)"""
-    return scores - group_mean(scores, group)
+    return scores - group_mean(scores, group, sample)
 
 
-def rloo_advantages(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Returns (B,) REINFORCE leave-one-out advantages A_i = r_i - mean_{j != i} r_j
-    = n / (n - 1) * (r_i - mean_g) over the episode's group of n; 0 for groups of one.
+def rloo_advantages(
+    scores: torch.Tensor, group: torch.Tensor, sample: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Returns (B,) REINFORCE leave-one-out advantages A_i = r_i - the mean of the group's
+    other samples (the episode's own sample, all its rows, left out) = r_i - (n mean_g -
+    R_s) / (n - 1) over a group of n samples, R_s the mean score of the episode's sample
+    s; 0 for groups of one sample.
     (Ahmadian et al. 2024, Back to Basics, https://arxiv.org/abs/2402.14740, eq. 4.)"""
-    count = torch.zeros_like(scores).index_add_(0, group, torch.ones_like(scores))[group]
-    scale = torch.where(count > 1, count / (count - 1.0).clamp(min=1.0), torch.zeros_like(count))
-    return scale * (scores - group_mean(scores, group))
+    weight = sample_weights(sample, scores)
+    count = _group_sum(weight, group)
+    total = _group_sum(weight * scores, group)
+    own = scores if sample is None else _group_sum(weight * scores, sample)
+    others = (total - own) / (count - 1.0).clamp(min=1.0)
+    return torch.where(count > 1.5, scores - others, torch.zeros_like(scores))
 
 
 def reinforce_pp_advantages(
@@ -165,13 +198,16 @@ def reinforce_pp_advantages(
 
 
 def reinforce_pp_baseline_advantages(
-    scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    mask: torch.Tensor,
+    sample: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns (B, T) REINFORCE++-baseline advantages: r_i - mean_g on every token of the
     episode, then whitened over every real token of the batch (the group mean removes
     the prompt's difficulty; the batch statistics set the scale).
     (Hu 2025, REINFORCE++, https://arxiv.org/abs/2501.03262, sec. 3.2.)"""
-    centered = dr_grpo_advantages(scores, group)
+    centered = dr_grpo_advantages(scores, group, sample)
     return masked_whiten(centered[:, None].expand_as(mask), mask)
 
 

@@ -28,6 +28,22 @@ def group_indexes(episodes: list[Episode]) -> list[int]:
     return [keys.setdefault(group_key(e), len(keys)) for e in episodes]
 
 
+def sample_indexes(episodes: list[Episode]) -> list[int]:
+    """Returns each episode's sample index: 0, 1, ... in order of first appearance, the
+    episodes of one agent trace sharing theirs (a trace is one sample of its prompt, so
+    group statistics count it once, whatever its number of model calls)."""
+    keys: dict[tuple, int] = {}
+    return [
+        keys.setdefault(
+            (group_key(e), e.columns[AGENT_TRACE_COLUMN])
+            if AGENT_TRACE_COLUMN in e.columns
+            else (e.episode_id,),
+            len(keys),
+        )
+        for e in episodes
+    ]
+
+
 def check_whole_groups(episodes: list[Episode], samples_per_prompt: int) -> None:
     """Raises ValueError if a prompt of this run reached the learner with some of its
     samples missing or doubled: a group split across steps biases every group estimator.

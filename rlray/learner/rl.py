@@ -31,7 +31,7 @@ from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
 from rlray.core.checkpoints import publish_sealed, seal_checkpoint, staging_directory
 from rlray.core.episode import Episode, ModelLimits, validate_episodes
 from rlray.core.files import writing
-from rlray.core.groups import check_whole_groups, group_indexes
+from rlray.core.groups import check_whole_groups, group_indexes, sample_indexes
 from rlray.core.parity import ParitySample
 from rlray.core.stats import StepMetrics
 from rlray.data.models import resolve_model_path
@@ -249,6 +249,7 @@ class Learner:
         inputs = StepInputs(
             rewards=torch.tensor([float(e.reward) for e in episodes], device=self.device),
             group=torch.tensor(group_indexes(episodes), device=self.device),
+            sample=torch.tensor(sample_indexes(episodes), device=self.device),
             mask=batch.mask,
             old_logp=before.logp,
             ref_logp=self.engine.reference_logprobs(batch),

@@ -50,7 +50,9 @@ class Progress:
             parts.append(f"{name} {value:.3f} ± {stderr:.3f}")
         accuracy = result.accuracy if result.accuracy is not None else metric and metric[1]
         self.accuracy = accuracy
-        example = "; ".join(f"{p}{c!r} (want {a})" for p, c, a in result.examples)
+        example = "; ".join(
+            f"{p}{c!r}" + (f" (want {a})" if a else "") for p, c, a in result.examples
+        )
         self._print_line("  ".join([*parts, f"e.g. {example}"]))
 
     def stepped(self, record: dict[str, Any]) -> None:

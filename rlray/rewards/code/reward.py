@@ -100,7 +100,7 @@ def _verdicts(
     verdicts = run_tests(program, limits) if program.tests else []
     for test, verdict in zip(program.tests, verdicts, strict=True):
         if "not plain data" in verdict.detail:
-            _warn_not_plain(test, verdict.detail)
+            _warn_not_plain(test)
     return verdicts
 
 
@@ -113,10 +113,10 @@ def _score(verdicts: list[Verdict], all_or_nothing: bool) -> Score | None:
 
 
 @functools.lru_cache(maxsize=1024)  # once per test, not once per sample of its prompt
-def _warn_not_plain(test: str, detail: str) -> None:
+def _warn_not_plain(test: str) -> None:
     logger.warning(
-        "code_tests: a value crossing between the code and this test is not plain data, "
-        "so the test fails (%s): %r",
-        detail,
+        "code_tests: a value crossing between the code and this test is not plain data "
+        "(one of the code's objects, or a function of the test's), so the test fails; "
+        "each episode's verdicts say where (further ones are not logged): %r",
         test[:500],
     )
