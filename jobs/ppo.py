@@ -213,7 +213,8 @@ def report(plan: RunPlan, summary: RunSummary, log: RunLog) -> None:
     picture = write_report(plan.run_dir)
     print(
         f"done: {summary.steps} steps, {summary.held_out_change()}, "
-        f"{summary.episodes_per_second:.1f} episodes/s, {summary.wall_seconds:.0f} s"
+        f"{summary.episodes_per_second:.1f} episodes/s, {summary.wall_seconds:.0f} s, "
+        f"{summary.optimizer_updates} optimizer updates"
     )
     if best := summary.best_eval:
         where = best["checkpoint"] or f"the base model, {best['model']}"

@@ -864,3 +864,14 @@ def test_one_update_per_step_takes_the_logprobs_before_it_from_its_own_forward_p
         fused.engine.policy.named_parameters(), apart.engine.policy.parameters(), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+
+
+def test_minibatch_size_zero_is_one_update_an_epoch_however_many_episodes_a_step_holds(
+    model_path, device
+):
+    # Agent traces make steps of more episodes than learner.episodes_per_step (4 here).
+    whole = make_learner(model_path, device, learner__minibatch_size=0)
+    fours = make_learner(model_path, device)  # mini-batches of 4
+    for learner, updates in ((whole, 2), (fours, 4)):
+        episodes = episodes_for(learner, REWARDS) + episodes_for(learner, REWARDS, "9+9=", 1)
+        assert learner.train_step(episodes).optimizer_updates == updates  # 2 epochs

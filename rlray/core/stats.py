@@ -48,6 +48,9 @@ class StepMetrics:
     learner_tokens_per_s: float
     learner_seconds: float
     completion_length_mean: float
+    optimizer_updates: int = 1
+    """Optimizer updates the step made: learner.epochs passes, each over its mini-batches
+    (learner.minibatch_size episodes each; 0: the whole step, however many it holds)."""
     learner_tokens_computed: int = 0
     """Token positions the learner's passes of this step computed, padding included."""
     learner_padding_tokens: int = 0

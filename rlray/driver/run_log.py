@@ -36,6 +36,8 @@ class RunSummary:
     first_step_this_run: int
     episodes: int
     """Episodes trained on in this run (a resumed one counts from its first step)."""
+    optimizer_updates: int
+    """Optimizer updates in this run (each step's are in metrics.jsonl)."""
     wall_seconds: float
     episodes_per_second: float
     phase_seconds: dict[str, float]
@@ -113,6 +115,7 @@ class RunLog:
         self.progress = Progress(total_steps=config.learner.steps, first_step=self.first_step)
         self.best = BestCheckpoint(plan.run_dir, config.eval.best_metric, self.first_step)
         self.episodes = 0
+        self.optimizer_updates = 0
         self.learner_tokens = {"computed": 0, "padding": 0, "borrowed": 0}
         self.started = time.perf_counter()
 
@@ -136,6 +139,7 @@ class RunLog:
         its episodes: what `step` does first, done apart for a step whose evaluation
         comes after the next step's training."""
         self.episodes += record.get("episodes", 0)
+        self.optimizer_updates += record.get("optimizer_updates", 0)
         self.learner_tokens["computed"] += record.get("learner_tokens_computed", 0)
         self.learner_tokens["padding"] += record.get("learner_padding_tokens", 0)
         self.learner_tokens["borrowed"] += record.get("learner_borrowed_tokens", 0)
@@ -176,6 +180,7 @@ class RunLog:
             steps=self.plan.config.learner.steps,
             first_step_this_run=self.first_step,
             episodes=self.episodes,
+            optimizer_updates=self.optimizer_updates,
             wall_seconds=wall,
             episodes_per_second=self.episodes / wall,
             phase_seconds=self.clock.totals,

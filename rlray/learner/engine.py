@@ -625,13 +625,14 @@ class Engine:
         entropy_grad: bool = False,
     ) -> list[dict[str, float]]:
         """Runs `epochs` passes over the batch in shuffled mini-batches of about
-        `minibatch_size` rows, one optimizer update each; gradients accumulate over
-        micro-batches. `loss_fn(outputs, rows, totals)` returns a micro-batch's share of
-        its mini-batch's loss and metrics that add up over micro-batches. Returns each
-        update's summed metrics, with its gradient norm."""
+        `minibatch_size` rows (0: the whole batch, however many rows it has), one
+        optimizer update each; gradients accumulate over micro-batches.
+        `loss_fn(outputs, rows, totals)` returns a micro-batch's share of its mini-batch's
+        loss and metrics that add up over micro-batches. Returns each update's summed
+        metrics, with its gradient norm."""
         self.reclaim_device()  # a no-op unless a turn's release_device left state behind
         updates = []
-        parts = max(1, round(batch.size / minibatch_size))
+        parts = max(1, round(batch.size / minibatch_size)) if minibatch_size else 1
         for _ in range(epochs):
             order = torch.randperm(batch.size, generator=self.shuffle).to(self.device)
             for minibatch in order.tensor_split(parts):

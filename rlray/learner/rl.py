@@ -201,7 +201,7 @@ class Learner:
                 step.loss_mask,
                 self._loss_fn(step, fused),
                 self.learner.epochs,
-                self.learner.minibatch_episodes,
+                self.learner.minibatch_size,
                 entropy_grad=self.algorithm.needs_entropy_gradient,
             )
         except rm.NonFiniteError as err:  # the engine's gradient check: name the step too
@@ -224,7 +224,8 @@ class Learner:
         over the batch saved: a quarter of the step's compute (forward, backward,
         forward). The gradient is the same: the ratio is exactly 1, as it is to float
         precision with a pass of its own."""
-        one_update = self.learner.epochs == 1 and self.learner.minibatch_episodes >= episodes
+        whole = self.learner.minibatch_size in (0, None) or self.learner.minibatch_size >= episodes
+        one_update = self.learner.epochs == 1 and whole
         algorithm = self.algorithm
         alone = not (algorithm.needs_critic or algorithm.needs_reference)
         return self.fuse_old_logprobs and one_update and alone and self.engine.world_size == 1
@@ -334,6 +335,7 @@ class Learner:
             step=self.version,
             policy_version=self.version,
             episodes=len(episodes),
+            optimizer_updates=len(updates),
             groups=int(inputs.group.max()) + 1,
             reward_mean=float(inputs.rewards.mean()),
             reward_components=component_means(episodes),
