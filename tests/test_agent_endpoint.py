@@ -148,19 +148,29 @@ def test_bad_requests_get_a_4xx_and_one_line_of_json_and_the_endpoint_serves_on(
     work = next_task(url).json()
     trace = work["trace_id"]
     chat = f"/traces/{trace}/v1/chat/completions"
+    plain = f"/traces/{trace}/v1/completions"
+    reward, events = f"/v1/traces/{trace}/reward", f"/v1/traces/{trace}/events"
     good = {"model": "solver", "messages": [{"role": "user", "content": "1+1="}]}
     refusals = {
         "no token": (401, post(url, chat, good, token="wrong")),
         "bad json": (400, post(url, chat, b"{not json")),
         "unknown trace": (404, post(url, "/traces/nope/v1/chat/completions", good)),
         "oversize": (413, post(url, chat, b" " * 2_000_000)),
-        "too many tokens": (400, post(url, chat, {**good, "max_tokens": 1000})),
         "long prompt": (
             400,
             post(url, chat, {**good, "messages": [{"role": "user", "content": "1+" * 40}]}),
         ),
         "unknown field": (400, post(url, chat, {**good, "beam_width": 3})),
         "bad reward": (400, post(url, f"/v1/traces/{trace}/reward", {"reward": "high"})),
+        "reward beyond the limit": (400, post(url, reward, {"reward": 1e308})),
+        "component beyond the limit": (
+            400,
+            post(url, reward, {"reward": 1.0, "components": {"x": 1e308}}),
+        ),
+        "integer beyond a float": (400, post(url, reward, b'{"reward": 1' + b"0" * 400 + b"}")),
+        "integer of 5000 digits": (400, post(url, reward, b'{"reward": 1' + b"0" * 5000 + b"}")),
+        "event value beyond the limit": (400, post(url, events, {"name": "v", "value": 1e308})),
+        "prompt of no tokens": (400, post(url, plain, {"model": "solver", "prompt": "é€"})),
     }
     for what, (status, response) in refusals.items():
         assert response.status_code == status, what
@@ -169,12 +179,56 @@ def test_bad_requests_get_a_4xx_and_one_line_of_json_and_the_endpoint_serves_on(
     client = openai.OpenAI(base_url=work["base_url"], api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(**good)
+    # Events are bounded per trace, in bytes and in count.
+    assert post(url, events, {"name": "big", "detail": "x" * 300_000}).status_code == 413
+    flood = [post(url, events, {"name": "vote", "detail": "x" * 3000}) for _ in range(70)]
+    codes = [r.status_code for r in flood]
+    assert codes[: LIMITS.max_events] == [200] * LIMITS.max_events and set(codes[64:]) == {400}
+    assert "posted its 64 events" in flood[-1].json()["error"]["message"]
     assert post(url, f"/v1/traces/{trace}/reward", {"reward": 1.0}).status_code == 200
     after = post(url, chat, good)
     assert after.status_code == 409 and "ended" in after.json()["error"]["message"]
     assert finished(refs)[1].traces_dropped == 0
     health = httpx.get(f"{url}/v1/health", headers={"Authorization": f"Bearer {TOKEN}"})
     assert health.status_code == 200
+
+
+def test_every_call_samples_as_the_run_does_and_a_bad_prompt_fails_no_other_call(endpoint):
+    actor, url, _, _ = endpoint
+    refs = batch(actor, 2)
+    first, second = (next_task(url).json() for _ in range(2))
+    asked = {"model": "solver", "temperature": 0.3, "max_tokens": 1000}
+    good = {**asked, "messages": [{"role": "user", "content": "1+1="}]}
+    bad = {"model": "solver", "prompt": "é€"}  # no tokens to the model
+    answers: dict[str, httpx.Response] = {}
+    # Sent at once, so that the endpoint may join them into one engine call.
+    threads = [
+        threading.Thread(
+            target=lambda: answers.update(
+                good=post(url, f"/traces/{first['trace_id']}/v1/chat/completions", good)
+            )
+        ),
+        threading.Thread(
+            target=lambda: answers.update(
+                bad=post(url, f"/traces/{second['trace_id']}/v1/completions", bad)
+            )
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert answers["bad"].status_code == 400
+    assert answers["good"].status_code == 200
+    # The run's temperature (1), and its per-call limit, whatever the agent asked.
+    headers = answers["good"].headers
+    assert (headers["X-RLray-Temperature"], headers["X-RLray-Max-Tokens"]) == ("1", "8")
+    for work in (first, second):
+        assert (
+            post(url, f"/v1/traces/{work['trace_id']}/reward", {"reward": 0.0}).status_code == 200
+        )
+    episodes, _ = finished(refs)
+    assert len(episodes) == 1  # the good call's; the refused one made none
 
 
 def test_64_concurrent_agents_lose_and_double_no_trace(endpoint):

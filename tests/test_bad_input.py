@@ -14,7 +14,7 @@ import pytest
 from rlray.config import Config, ConfigError
 from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
-from rlray.driver.plan import plan_run
+from rlray.driver.plan import check_machine, plan_run
 from tests.jobs_helper import REPO
 
 
@@ -321,3 +321,17 @@ def test_resume_without_a_checkpoint_that_verifies_is_one_line_exit_2(ppo, tmp_p
         f"ppo.py: error: --resume: no complete checkpoint under {run}/checkpoints: "
         f"step-000002: {trainer_state} has 3 bytes, 11 when saved (truncated?)"
     ]
+
+
+def test_workers_and_a_kv_cache_this_machine_cannot_hold_are_refused(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a new local Ray on this machine
+    workers = Config()
+    workers.rollout.num_workers = 1000
+    with pytest.raises(ConfigError, match=r"^rollout.num_workers 1000: this machine has \d+ CPU"):
+        check_machine(workers)
+    cache = Config()
+    cache.rollout.kv_cache_gib = 1_000_000
+    with pytest.raises(ConfigError, match=r"^rollout.kv_cache_gib 1000000: 1 rollout worker"):
+        check_machine(cache)
+    cache.ray.address = "ray://head:10001"  # a cluster's nodes decide
+    check_machine(cache)

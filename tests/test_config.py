@@ -215,6 +215,14 @@ def test_bad_command_line_names_the_field(argv, message):
         ("learner:\n  lr: [1\n", "run.yaml: not valid YAML: while parsing a flow sequence"),
         ("- 1\n", "run.yaml: expected a mapping of config sections, got list"),
         (
+            "learner:\n  lr: 1.0e-3\nseed: 2\nlearner:\n  steps: 5\n",
+            "run.yaml: 'learner' appears twice (line 4); name each field once",
+        ),
+        (
+            "reward:\n  functions:\n    - {name: a, weight: 1, weight: 2}\n",
+            "run.yaml: 'weight' appears twice (line 3)",
+        ),
+        (
             "reward:\n  functions:\n    - {name: a, schedule: [[0, x]]}\n",
             "reward.functions.schedule: expected float, got 'x'",
         ),
@@ -227,6 +235,12 @@ def test_bad_yaml_file_names_the_field(tmp_path, text, message):
         parse_command_line(["--config", str(path)])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_config_file_that_cannot_be_read_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        parse_command_line(["--config", "/proc/self/mem"])
+    assert str(err.value) == "/proc/self/mem: cannot be read (Input/output error)"
 
 
 def test_yaml_file_with_the_sections_nesting(tmp_path):
@@ -313,6 +327,20 @@ def test_missing_config_file_is_named(tmp_path):
         (
             ["--model.lora.rank", "8", "--model.lora.alpha", "0"],
             r"^model.lora.alpha must be > 0, got 0.0$",
+        ),
+        (["--model.lora.alpha", "-2"], r"^model.lora.alpha must be > 0, got -2.0$"),
+        # Values that cannot work, wherever the run is.
+        (
+            ["--rollout.temperature", "1e-6"],
+            r"^rollout.temperature must be >= 0.05 \(RL needs sampled episodes; below it",
+        ),
+        (
+            ["--ray.call_timeout_s", "1e-9"],
+            r"^ray.call_timeout_s must be >= 0.001 \(a shorter wait ends before any answer",
+        ),
+        (
+            ["--eval.pass_threshold", "-1"],
+            r"^eval.pass_threshold must be > 0 \(at 0 or below a failed completion passes\)",
         ),
         (
             ["--model.lora.rank", "8", "--model.lora.target_modules", "[]"],

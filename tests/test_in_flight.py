@@ -40,6 +40,7 @@ from rlray.core.prompt import PromptRow
 from rlray.data.models import resolve_model_path
 from rlray.rollout.multiturn import TrajectoryRunner, TurnLimits
 from rlray.rollout.partial import PartialTrajectories
+from rlray.rollout.sampling import ModelCall
 from tests.rollout_host import ROLLOUT, rollout_actor
 from tests.test_multiturn import OBSERVATION, Result
 
@@ -282,6 +283,23 @@ def generate_carrying_turns(host) -> tuple:
     return first, last
 
 
+def load_between_the_add_and_the_first_step(host, old, new) -> tuple[int, int]:
+    """Runs in the host's process: adds a request under `old` (version 5), loads `new`
+    (version 6) before any engine step, then runs the request; returns its versions."""
+    worker = host.rollout
+    worker.load_weights(5, old)
+    request_id, prompt, params = worker._call_request(
+        ModelCall([5, 6, 7], 1, 1.0, TURN_TOKENS, [], False)
+    )
+    session = worker.loop.session()
+    session.add_request(request_id, prompt, params)
+    worker.load_weights(6, new)  # the engine took no step for the request yet
+    while session.pending:
+        session.step()
+    versions = session.versions.pop(request_id)
+    return versions.first, versions.last
+
+
 SHORT_CALL, LONG_CALL, CALLERS = 4, 12, 8
 
 
@@ -345,7 +363,18 @@ def across_a_load(rollout_host, request, tmp_path_factory):
         )
         turn_calls = ray.get(host.__ray_call__.remote(generate_carrying_turns), timeout=300)
         sharing = ray.get(host.__ray_call__.remote(callers_sharing_steps), timeout=300)
-        yield request.param, single, turns, (across, calls), (trajectories, turn_calls), sharing
+        first = ray.get(
+            host.__ray_call__.remote(load_between_the_add_and_the_first_step, old, new),
+            timeout=300,
+        )
+        yield (
+            request.param,
+            single,
+            turns,
+            (across, calls),
+            (trajectories, turn_calls),
+            (sharing, first),
+        )
 
 
 @pytest.mark.slow
@@ -467,7 +496,7 @@ def test_generate_carrying_carries_trajectories_and_returns_each_once(across_a_l
 
 @pytest.mark.slow
 def test_callers_of_one_request_each_share_engine_steps_and_hand_the_stepping_on(across_a_load):
-    sharing = across_a_load[5]
+    sharing, _ = across_a_load[5]
     # Every call ran to its max_tokens (the model has no end-of-sequence token).
     assert sharing["tokens"] == [SHORT_CALL] + [LONG_CALL] * (CALLERS - 1)
     # One step advances every caller's request: one at a time they would take
@@ -476,6 +505,14 @@ def test_callers_of_one_request_each_share_engine_steps_and_hand_the_stepping_on
     # The first caller, stepping for all, ended first: the stepping went on at once to a
     # caller it woke, never at a waiting caller's backstop.
     assert sharing["late_handoffs"] == 0, sharing
+
+
+@pytest.mark.slow
+def test_a_request_starts_under_the_version_of_its_first_engine_step(across_a_load):
+    # Added under version 5; version 6 was loaded before the engine's first step for it:
+    # every token is version 6's, and it is not older than that.
+    _, first = across_a_load[5]
+    assert first == (6, 6)
 
 
 def error_of(call) -> str:

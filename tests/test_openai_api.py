@@ -102,8 +102,8 @@ def test_a_request_as_the_client_sends_it_is_read_whole():
             "n: expected an integer, got a boolean",
         ),
         (
-            {"messages": [{"role": "user", "content": "a"}], "max_tokens": 33},
-            "max_tokens: 33 is not between 1 and 32",
+            {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+            "max_tokens: 0 is below 1",
         ),
         (
             {"messages": [{"role": "user", "content": "a"}], "temperature": 9},
@@ -128,6 +128,12 @@ def test_a_request_it_cannot_serve_is_a_400_naming_the_field(body, message):
     with pytest.raises(RequestError, match="^" + re.escape(message)) as err:
         parse_chat_request(body, LIMIT)
     assert err.value.status == 400
+
+
+def test_a_max_tokens_above_the_runs_limit_is_served_up_to_the_limit():
+    # Agents set their own (256 to 4096 is common) and cannot know a run's budget.
+    body = {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 4096}
+    assert parse_chat_request(body, LIMIT).sampling.max_tokens == LIMIT
 
 
 def test_a_chat_response_parses_as_the_clients_chat_completion():

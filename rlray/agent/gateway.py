@@ -31,11 +31,12 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -53,7 +54,7 @@ from rlray.agent.openai_api import (
     parse_completion_request,
 )
 from rlray.agent.traces import Call, Trace, trace_episodes
-from rlray.core.episode import Episode
+from rlray.core.episode import MAX_ABS_REWARD, Episode
 from rlray.core.prompt import PromptRow
 from rlray.core.stats import GenerateStats
 from rlray.rollout.sampling import Generated
@@ -84,6 +85,13 @@ class CallLimits:
     """Sampled tokens per trace, all calls together (the run's multi-turn budget)."""
     max_calls: int
     """Model calls per trace (agent.max_calls_per_trace)."""
+    temperature: float = 1.0
+    """What every call samples at (rollout.temperature), whatever it asks: the learner
+    scores the episodes at it, so the logprobs of a call are the behaviour policy's."""
+    max_events: int = 64
+    """Events an agent may post per trace."""
+    max_event_bytes: int = 256 * 1024
+    """Bytes of events' names and details per trace, all together."""
 
 
 @dataclass
@@ -245,9 +253,11 @@ class AgentGateway:
                 raise
             self.counts["refused"] += 1
             return _error(err.status, f"{err.reason}: {request.method} {request.path}")
-        except Exception as err:  # the run never dies of a request
+        except Exception:  # the run never dies of a request
             logger.exception("agent endpoint: %s %s failed", request.method, request.path)
-            return _error(500, f"{type(err).__name__}: {err}".splitlines()[0])
+            # What failed inside (a worker's pid, a node's address) is the log's, not the
+            # client's.
+            return _error(500, f"the run failed to serve {request.method} {request.path}")
 
     @web.middleware
     async def _authorized(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -304,6 +314,8 @@ class AgentGateway:
             return json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise RequestError(400, f"body is not valid JSON: {err}".splitlines()[0]) from None
+        except ValueError as err:  # an integer of more digits than Python reads
+            raise RequestError(400, f"body: {err}".splitlines()[0][:200]) from None
         except RecursionError:
             raise RequestError(400, "body is nested too deeply") from None
 
@@ -311,23 +323,25 @@ class AgentGateway:
         trace = self._trace(request)
         chat = parse_chat_request(await self._body(request), self.limits.max_new_tokens)
         text = self._render(chat)
-        token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        token_ids = _tokens(self.tokenizer(text, add_special_tokens=False).input_ids)
         trace.add_tool_results(chat.messages, time.time())
-        call_id, created, choices = await self._call(trace, chat, text, token_ids)
+        call_id, created, choices, headers = await self._call(trace, chat, text, token_ids)
         if not chat.stream:
-            return web.json_response(chat_response(chat, call_id, created, len(token_ids), choices))
-        return await _stream(request, chat_chunks(chat, call_id, created, len(token_ids), choices))
+            response = chat_response(chat, call_id, created, len(token_ids), choices)
+            return web.json_response(response, headers=headers)
+        chunks = chat_chunks(chat, call_id, created, len(token_ids), choices)
+        return await _stream(request, chunks, headers)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         trace = self._trace(request)
         plain = parse_completion_request(await self._body(request), self.limits.max_new_tokens)
-        token_ids = self.tokenizer(plain.prompt).input_ids  # as vLLM tokenises a text prompt
-        call_id, created, choices = await self._call(trace, plain, plain.prompt, token_ids)
+        token_ids = _tokens(self.tokenizer(plain.prompt).input_ids)  # as vLLM tokenises text
+        call_id, created, choices, headers = await self._call(trace, plain, plain.prompt, token_ids)
         if plain.stream:
             chunks = completion_chunks(plain, call_id, created, len(token_ids), choices)
-            return await _stream(request, chunks)
+            return await _stream(request, chunks, headers)
         response = completion_response(plain, call_id, created, len(token_ids), choices)
-        return web.json_response(response)
+        return web.json_response(response, headers=headers)
 
     def _render(self, chat: ChatRequest) -> str:
         """Returns the chat rendered once by the model's chat template."""
@@ -349,12 +363,24 @@ class AgentGateway:
         request: ChatRequest | CompletionRequest,
         prompt_text: str,
         token_ids: list[int],
-    ) -> tuple[str, int, list[Generated]]:
-        """Generates the call's choices within the run's limits and records them."""
+    ) -> tuple[str, int, list[Generated], dict[str, str]]:
+        """Generates the call's choices within the run's limits and records them; returns
+        them with the headers that say how they were sampled. The call and its tokens
+        are reserved against the trace's limits before it runs, so that calls of one
+        trace at once cannot pass them together."""
         max_tokens = self._max_tokens(trace, request.sampling, len(token_ids))
+        # The run's temperature, whatever the agent asked: the learner scores at it.
+        sampling = replace(request.sampling, temperature=self.limits.temperature)
+        reserved = max_tokens * sampling.n
+        trace.reserved_calls += 1
+        trace.reserved_tokens += reserved
         started = time.time()
-        async with self.calls:
-            choices = await self.generate(trace.worker, token_ids, request.sampling, max_tokens)
+        try:
+            async with self.calls:
+                choices = await self.generate(trace.worker, token_ids, sampling, max_tokens)
+        finally:
+            trace.reserved_calls -= 1
+            trace.reserved_tokens -= reserved
         if trace.ended:  # dropped while it generated
             raise RequestError(409, f"trace {trace.trace_id} was dropped while the call ran")
         call_id = f"chatcmpl-{trace.trace_id}-{trace.model_calls}"
@@ -366,13 +392,17 @@ class AgentGateway:
         ]
         trace.add_call(records, _last_input(request))
         self.counts["calls"] += 1
-        return call_id, int(started), choices
+        headers = {
+            "X-RLray-Temperature": f"{sampling.temperature:g}",
+            "X-RLray-Max-Tokens": str(max_tokens),
+        }
+        return call_id, int(started), choices, headers
 
     def _max_tokens(self, trace: Trace, sampling: Sampling, prompt_tokens: int) -> int:
         """Returns how many tokens the call may sample: what it asked (or the run's
         per-call limit), within the context window and the trace's budget."""
         limits = self.limits
-        if trace.model_calls >= limits.max_calls:
+        if trace.model_calls + trace.reserved_calls >= limits.max_calls:
             raise RequestError(
                 400,
                 f"trace {trace.trace_id} made its {limits.max_calls} calls "
@@ -385,7 +415,7 @@ class AgentGateway:
                 f"prompt is {prompt_tokens} tokens; model.max_model_len "
                 f"({limits.max_model_len}) leaves no room to generate",
             )
-        budget = (limits.trace_tokens - trace.sampled_tokens) // sampling.n
+        budget = (limits.trace_tokens - trace.sampled_tokens - trace.reserved_tokens) // sampling.n
         if budget < 1:
             raise RequestError(
                 400,
@@ -399,7 +429,7 @@ class AgentGateway:
         body = await self._body(request)
         if not isinstance(body, dict):
             raise RequestError(400, "body must be a JSON object")
-        reward = _number(body.get("reward"), "reward")
+        reward = _reward_number(body.get("reward"), "reward")
         components = _numbers(body.get("components", {}), "components")
         call_rewards = _numbers(body.get("call_rewards", {}), "call_rewards")
         known = {c.call_id for c in trace.calls}
@@ -427,7 +457,16 @@ class AgentGateway:
         if not isinstance(detail, str):
             detail = json.dumps(detail)
         value = body.get("value")
-        value = None if value is None else _number(value, "value")
+        value = None if value is None else _reward_number(value, "value")
+        size = len(body["name"].encode()) + len(detail.encode())
+        if trace.events >= self.limits.max_events:
+            raise RequestError(400, f"trace {trace.trace_id} posted its {trace.events} events")
+        if trace.event_bytes + size > self.limits.max_event_bytes:
+            left = self.limits.max_event_bytes - trace.event_bytes
+            raise RequestError(
+                413,
+                f"event of {size} bytes; trace {trace.trace_id} has {left} bytes of events left",
+            )
         trace.add_event(body["name"], detail, value, time.time())
         return web.json_response({"trace_id": trace.trace_id, "events": len(trace.spans)})
 
@@ -440,18 +479,33 @@ def _last_input(request: ChatRequest | CompletionRequest) -> str:
     return f"{last['role']}: {last['content']}"
 
 
-def _number(value: Any, name: str) -> float:
+def _reward_number(value: Any, name: str) -> float:
+    """Returns a posted reward (or a component, an event's value) as a float, or refuses
+    what the learner could not take: a non-number, NaN, an infinity, an integer beyond a
+    float, a value beyond ±MAX_ABS_REWARD."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(400, f"{name}: expected a number")
-    if value != value or abs(value) == float("inf"):
-        raise RequestError(400, f"{name}: expected a finite number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > MAX_ABS_REWARD:
+        raise RequestError(400, f"{name}: expected a finite number within ±{MAX_ABS_REWARD:g}")
+    return number
 
 
 def _numbers(value: Any, name: str) -> dict[str, float]:
     if not isinstance(value, dict):
         raise RequestError(400, f"{name}: expected an object of numbers")
-    return {str(k): _number(v, f"{name}.{k}") for k, v in value.items()}
+    return {str(k)[:200]: _reward_number(v, f"{name}.{str(k)[:40]}") for k, v in value.items()}
+
+
+def _tokens(token_ids: list[int]) -> list[int]:
+    """Returns a call's prompt tokens, or refuses a prompt of none (the engine refuses
+    one, and would fail every call sent with it)."""
+    if not token_ids:
+        raise RequestError(400, "the prompt is no tokens to the model")
+    return token_ids
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -467,9 +521,11 @@ async def _sent(request: web.Request, response: web.Response) -> web.Response:
     return response
 
 
-async def _stream(request: web.Request, chunks: list[dict[str, Any]]) -> web.StreamResponse:
+async def _stream(
+    request: web.Request, chunks: list[dict[str, Any]], headers: dict[str, str]
+) -> web.StreamResponse:
     """Sends chunks as server-sent events, ending with [DONE] as OpenAI's API does."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
     await response.prepare(request)
     for chunk in chunks:
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -113,8 +113,10 @@ def _sampling(body: dict[str, Any], max_tokens_limit: int, max_n: int) -> Sampli
         raise RequestError(400, f"temperature: {temperature} is not between 0 and 2")
     max_tokens = _field(body, "max_tokens", int, None)
     max_tokens = _field(body, "max_completion_tokens", int, max_tokens)
-    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
-        raise RequestError(400, f"max_tokens: {max_tokens} is not between 1 and {max_tokens_limit}")
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(400, f"max_tokens: {max_tokens} is below 1")
+    if max_tokens is not None:  # agents set their own; the run's limit serves them cut
+        max_tokens = min(max_tokens, max_tokens_limit)
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):

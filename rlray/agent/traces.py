@@ -68,6 +68,11 @@ class Trace:
     """Ended by agent.trace_timeout_s, not by its agent: never trained on."""
     model_calls: int = 0
     sampled_tokens: int = 0
+    reserved_calls: int = 0
+    reserved_tokens: int = 0
+    """Calls and tokens of calls under way, counted against the limits before they run."""
+    event_bytes: int = 0
+    events: int = 0
     _tool_results: set[tuple[str, str, str]] = field(default_factory=set)
 
     def add_call(self, calls: list[Call], input_text: str) -> None:
@@ -113,6 +118,8 @@ class Trace:
 
     def add_event(self, name: str, detail: str, value: float | None, now: float) -> None:
         """Records an event the agent posted (a coordination step: a vote, a hand-off)."""
+        self.events += 1
+        self.event_bytes += len(name.encode()) + len(detail.encode())
         self.spans.append(Span("event", now, now, name=name, output=detail, value=value))
 
     def end(self, reward: float | None, components: dict[str, float], now: float) -> None:

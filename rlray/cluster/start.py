@@ -684,6 +684,7 @@ def start_agent(config: Config, actors: Actors, model_path: str, run_id: str) ->
         max_new_tokens=config.rollout.max_new_tokens,
         trace_tokens=config.rollout.turn_budget,
         max_calls=config.agent.max_calls_per_trace,
+        temperature=config.rollout.temperature,
     )
     options = endpoint_options("agent", max_concurrency=config.agent.max_concurrent_calls + 8)
     # Restarted by Ray, it listens on the same port: agent.port 0 is settled here.

@@ -160,13 +160,43 @@ def _canonical(arg: str) -> str:
     return ("--model.path" if flag == "--model" else flag) + eq + value
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # far more than any config; a device or /proc file is not one
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice: PyYAML keeps the
+    last silently (two `learner:` blocks would drop the first's fields)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"{key!r} appears twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
     """Returns the mapping in a YAML config file, or raises ConfigError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with path.open("rb") as file:
+            text = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot be read ({err.strerror or err})") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES // 2**20} MiB, not a config file")
+    try:
+        data = yaml.load(text.decode(), Loader=_UniqueKeys) or {}  # a SafeLoader
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}; name each field once") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     except RecursionError:  # the YAML parser recurses once per level

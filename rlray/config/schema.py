@@ -103,6 +103,19 @@ def non_negative(default: Any = None, *, why: str = "", factory: Any = None) -> 
     return field(default=default, metadata=metadata)
 
 
+def at_least(default: Any, low: float, *, why: str = "") -> Any:
+    """A field whose value must be >= low."""
+    return field(default=default, metadata={"range": Range(low, why=why)})
+
+
+WAIT_S = "a shorter wait ends before any answer can come"
+
+
+def wait_s(default: float) -> Any:
+    """A timeout field: at least a millisecond."""
+    return at_least(default, 0.001, why=WAIT_S)
+
+
 def fraction(default: float) -> Any:
     """A field whose value must lie in [0, 1]."""
     return field(default=default, metadata={"range": Range(0, high=1)})
@@ -131,7 +144,7 @@ class LoraConfig:
     train (AdamW state for them alone); the KL reference is the same model with its
     adapters disabled, so no second copy is held. Adapter dropout is 0, like every other
     dropout: the ratio of two forward passes must not be noise."""
-    alpha: float = 16.0
+    alpha: float = positive(16.0)
     """Adapter scale numerator: a layer computes W x + (alpha / rank) B A x."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Module names (or name suffixes) that get adapters, e.g. [q_proj, v_proj];
@@ -220,7 +233,12 @@ class RolloutConfig:
     """Completions may not end (end-of-sequence is masked) before this many tokens, as in
     vLLM's min_tokens. The learner scores the unmasked policy, so the rollout-learner
     logprob gap grows; meant for throughput measurements with random-weight models."""
-    temperature: float = positive(1.0, why="RL needs sampled episodes")
+    temperature: float = at_least(
+        1.0,
+        0.05,
+        why="RL needs sampled episodes; below it logits / temperature amplify float32 "
+        "rounding past the logprob parity check's bound, and logprobs underflow",
+    )
     """Sampling temperature (the learner scores tokens at the same temperature)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings (vLLM's SamplingParams.stop), in generation and evaluation: a
@@ -335,7 +353,7 @@ class RewardSpec:
     interpolation: Interpolation = "linear"
     """Between schedule points: linear (ramps) or step (each point's weight holds until
     the next point: piecewise constant)."""
-    timeout_s: float = positive(60.0)
+    timeout_s: float = wait_s(60.0)
     """Longest one call of this reward on a scoring batch; past it the component fails
     for that batch's episodes. Built-ins called in the scoring process itself (linear in
     their input; docs/rewards.md) have no limit."""
@@ -569,7 +587,7 @@ class EvalConfig:
     """Sampling temperature of those completions."""
     pass_k: list[int] = field(default_factory=lambda: [1])
     """The k of pass@k, each at most eval.samples (unused when samples is 0)."""
-    pass_threshold: float = 1.0
+    pass_threshold: float = positive(1.0, why="at 0 or below a failed completion passes")
     """Score at or above which a completion passes (greedy accuracy and pass@k)."""
     rewards: list[RewardSpec] = field(default_factory=list)
     """Reward components to evaluate with, as reward.functions; empty: reward.functions."""
@@ -640,9 +658,9 @@ class StoreConfig:
     pre-signed PUT URL for that key. Used instead of `path`'s S3 upload when set."""
     rows_per_file: int = positive(2048)
     """Episodes per Parquet file (files are written in batches, never one per episode)."""
-    flush_every_s: float = positive(60.0)
+    flush_every_s: float = wait_s(60.0)
     """Write a file at least this often while episodes are buffered."""
-    upload_timeout_s: float = positive(120.0)
+    upload_timeout_s: float = wait_s(120.0)
     """At the end of a run, how long to wait for uploads; files not uploaded by then stay
     in the local spool (a warning names it) and upload on a later run or by hand."""
 
@@ -685,10 +703,10 @@ class AgentConfig:
     token: str = ""
     """Bearer token every request must send (the openai client's api_key); empty: the
     RLRAY_AGENT_TOKEN environment variable. Required. Never written to the run directory."""
-    trace_timeout_s: float = positive(300.0)
+    trace_timeout_s: float = wait_s(300.0)
     """A trace not ended (by its reward) this long after its task was handed out is
     dropped and counted, never trained on half-done."""
-    task_wait_s: float = positive(30.0)
+    task_wait_s: float = wait_s(30.0)
     """How long GET /v1/tasks/next waits for work before answering 503 (retry)."""
     max_calls_per_trace: int = positive(32)
     """Model calls one trace may make; more get 400."""
@@ -724,9 +742,9 @@ class RayConfig:
     num_cpus: int = non_negative(0)
     """Logical CPUs of a new local Ray (0 = enough for the actors, at least this
     machine's cores)."""
-    actor_start_timeout_s: float = positive(600.0)
+    actor_start_timeout_s: float = wait_s(600.0)
     """Longest wait for an actor to start (vLLM engine load included)."""
-    call_timeout_s: float = positive(600.0)
+    call_timeout_s: float = wait_s(600.0)
     """Longest wait for any one remote call (generate, score, learner step, sync)."""
     max_actor_restarts: int = non_negative(3)
     """Times Ray restarts a dead rollout, reward, buffer or store actor; the batches it

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import yaml
 
 from rlray.agent.traces import AGENT_ROLE_COLUMN
@@ -72,6 +73,7 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     checks that every prompt fits the context window and that reward functions load.
     The cheap checks (checkpoint, run directory) come first.
     """
+    check_machine(config)
     checkpoint = None if resume_dir is None else resume_checkpoint(resume_dir)
     run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_writable(run_dir)
@@ -100,6 +102,34 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
             logger.warning("warning: %s", warning)
     config.run_dir = str(run_dir)
     return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def check_machine(config: Config) -> None:
+    """Raises ConfigError for what a new local Ray on this machine cannot run: more rollout
+    or learner workers than it has cores (each runs an engine or a learner on one at
+    least), a KV cache beyond its memory. Joining a cluster (ray.address, RAY_ADDRESS),
+    its nodes decide."""
+    if config.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    cores = os.cpu_count() or 1
+    for name, workers in (
+        ("rollout.num_workers", config.rollout.num_workers),
+        ("learner.num_workers", config.learner.num_workers),
+    ):
+        if workers > cores:
+            raise ConfigError(
+                f"{name} {workers}: this machine has {cores} CPU cores, one for each at "
+                "least (more workers need a cluster: ray.address)"
+            )
+    rollout = config.rollout
+    if rollout.kv_cache_gib and not rollout.gpus_per_worker:
+        memory = psutil.virtual_memory().total / 2**30
+        if rollout.kv_cache_gib * rollout.num_workers > memory:
+            raise ConfigError(
+                f"rollout.kv_cache_gib {rollout.kv_cache_gib}: {rollout.num_workers} rollout "
+                f"worker(s) would hold {rollout.kv_cache_gib * rollout.num_workers} GiB of KV "
+                f"cache; this machine has {memory:.1f} GiB of memory"
+            )
 
 
 def resume_checkpoint(run_dir: Path) -> Path:

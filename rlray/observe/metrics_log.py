@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         with writing(self.path), self.path.open("a") as out:
-            out.write(json.dumps(record) + "\n")
+            out.write(json.dumps(_finite(record), allow_nan=False) + "\n")
         if self.trackers is not None:
             self.trackers.log(record)
 
@@ -35,3 +36,15 @@ class MetricsLog:
         if not self.path.exists():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def _finite(value: Any) -> Any:
+    """Returns `value` with every NaN or infinity made null: JSON has neither, and a
+    reader of metrics.jsonl (jq, pandas) refuses the line that holds one."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value

@@ -12,8 +12,10 @@ weight load.
 
 That is how weights are updated in flight (rollout.in_flight_updates): a sync loads the
 new weights between two steps while requests run, and they go on under the new policy.
-Each request records the policy version of its first step and of its last one, so an
-episode knows the oldest version that produced its tokens (staleness counts from it).
+Each request records the policy version of its first step (the first engine step after
+it was added: a load between its add and that step is the version it starts under) and
+of its last one, so an episode knows the oldest version that produced its tokens
+(staleness counts from it).
 What happens to the running requests' KV cache, computed by the old weights, is
 rollout.in_flight_kv_cache's choice: kept, or recomputed by the new weights.
 
@@ -65,6 +67,7 @@ class EngineLoop:
         self._failed: str | None = None  # why no step runs again (fail())
         self._outputs: dict[str, Any] = {}  # finished outputs not yet taken by their session
         self._versions: dict[str, Versions] = {}
+        self._unstepped: set[str] = set()  # added, no engine step since: versions not stamped
         self.steps = 0
         self.updates_in_flight = 0
         """Pauses (weight loads) that found requests running."""
@@ -167,6 +170,7 @@ class EngineLoop:
         try:
             self.engine.add_request(request_id, prompt, params)
             self._versions[request_id] = Versions(self.version, self.version)
+            self._unstepped.add(request_id)
         finally:
             self._release()
 
@@ -187,6 +191,9 @@ class EngineLoop:
             try:
                 if not waiting_for.isdisjoint(self._outputs):
                     return
+                for request_id in self._unstepped:  # their first step: this version's
+                    self._versions[request_id] = Versions(self.version, self.version)
+                self._unstepped.clear()
                 for output in self.engine.step():
                     if output.finished and output.request_id in self._versions:
                         self._versions[output.request_id].last = self.version
@@ -230,6 +237,7 @@ class EngineLoop:
         for rid in request_ids:
             self._outputs.pop(rid, None)
             self._versions.pop(rid, None)
+            self._unstepped.discard(rid)
 
     def _take(self, request_ids: set[str]) -> list[Any]:
         with self._free:
@@ -289,7 +297,10 @@ class Session:
         return finished
 
     def first_version(self, request_id: str) -> int:
-        """Returns the policy version a running request of this session started under."""
+        """Returns the policy version a running request of this session started under (or,
+        before its first step, will start under: the engine's)."""
+        if request_id in self.loop._unstepped:
+            return self.loop.version
         return self.loop._versions[request_id].first
 
     def abort_request(self, request_ids: list[str]) -> None:
