@@ -10,8 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
-from rlray.config import Config, ConfigError
+from rlray.config import Config, ConfigError, config_to_dict
 from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
 from rlray.driver.plan import check_machine, plan_run
@@ -335,3 +336,39 @@ def test_workers_and_a_kv_cache_this_machine_cannot_hold_are_refused(monkeypatch
         check_machine(cache)
     cache.ray.address = "ray://head:10001"  # a cluster's nodes decide
     check_machine(cache)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            ["--algorithm.advantage", "gae"],
+            "--resume: algorithm.advantage (a critic or none) was False in ",
+        ),
+        (["--model.lora.rank", "4"], "--resume: model.lora was off in "),
+        (
+            ["--model.path", "builtin:tiny-countdown"],
+            "--resume: model.path was builtin:tiny-arithmetic",
+        ),
+    ],
+)
+def test_a_resume_whose_overrides_change_what_its_checkpoints_hold_is_refused(
+    tmp_path, override, message
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(Config())))
+    command = parse_command_line(["--resume", str(run), *override])
+    with pytest.raises(ConfigError) as refused:
+        plan_run(command.config, command.resume_dir)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert str(refused.value).endswith("start a new run")
+
+
+def test_a_resume_that_turns_kl_on_goes_past_the_override_check(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(Config())))
+    command = parse_command_line(["--resume", str(run), "--algorithm.kl_coef", "0.05"])
+    with pytest.raises(ConfigError, match=r"^--resume: no complete checkpoint under"):
+        plan_run(command.config, command.resume_dir)

@@ -15,7 +15,9 @@ import psutil
 import yaml
 
 from rlray.agent.traces import AGENT_ROLE_COLUMN
+from rlray.algorithms.estimators import ESTIMATORS
 from rlray.config import Config, ConfigError, config_to_dict, eval_rewards
+from rlray.config.command_line import parse_command_line
 from rlray.core.checkpoints import checkpoint_version, find_checkpoint, latest_checkpoint
 from rlray.core.episode import ModelLimits
 from rlray.core.groups import AGENT_TRACE_COLUMN
@@ -74,6 +76,8 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     The cheap checks (checkpoint, run directory) come first.
     """
     check_machine(config)
+    if resume_dir is not None:
+        check_resume_overrides(resume_dir, config)
     checkpoint = None if resume_dir is None else resume_checkpoint(resume_dir)
     run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_writable(run_dir)
@@ -129,6 +133,35 @@ def check_machine(config: Config) -> None:
                 f"rollout.kv_cache_gib {rollout.kv_cache_gib}: {rollout.num_workers} rollout "
                 f"worker(s) would hold {rollout.kv_cache_gib * rollout.num_workers} GiB of KV "
                 f"cache; this machine has {memory:.1f} GiB of memory"
+            )
+
+
+# What a checkpoint holds that an override on --resume would change under it: the model it
+# trained, its LoRA adapters, its critic (and the critic's optimizer state).
+CHECKPOINTED = {
+    "model.path": lambda c: c.model.path,
+    "model.lora": lambda c: (
+        (c.model.lora.rank, c.model.lora.alpha, sorted(c.model.lora.target_modules))
+        if c.model.lora.rank
+        else "off"
+    ),
+    "algorithm.advantage (a critic or none)": lambda c: (
+        ESTIMATORS[c.algorithm.advantage].needs_critic
+    ),
+}
+
+
+def check_resume_overrides(run_dir: Path, config: Config) -> None:
+    """Raises ConfigError if an override changes what the run's checkpoints hold. Others
+    continue the run as it would have gone (the KL reference is the run's starting model
+    whatever kl_coef says, so turning KL on or off is one of them; the optimizer state is
+    saved so that a learner group of another size loads it)."""
+    before = parse_command_line(["--config", str(run_dir / "config.yaml")]).config
+    for name, held in CHECKPOINTED.items():
+        if held(before) != held(config):
+            raise ConfigError(
+                f"--resume: {name} was {held(before)} in {run_dir}/config.yaml, not "
+                f"{held(config)}: its checkpoints hold what the run trained; start a new run"
             )
 
 
