@@ -73,8 +73,9 @@ def main(argv: list[str]) -> int:
         print("collect.py: interrupted; every episode so far is kept", file=sys.stderr)
         return 130
     finally:
+        # Agents hear the run is done; traces they left open are dropped (see ppo.py).
+        actors.close_agent(config.ray.call_timeout_s)
         stored = driver.close_store()  # every scored episode written (or spooled)
-        actors.close_agent(config.ray.call_timeout_s)  # agents hear the run is done
         actors.kill()
     summary.episodes_stored = stored.episodes_written if stored else None
     (plan.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))

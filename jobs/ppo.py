@@ -121,8 +121,10 @@ def run(plan: RunPlan) -> int:
         )
         return 130
     finally:
+        # Agents hear the run is done, and the traces they left open are dropped: the
+        # batches in flight come back at once, with every trace whose reward was accepted.
+        actors.close_agent(config.ray.call_timeout_s)
         stored = driver.close_store()  # every scored episode written (or spooled)
-        actors.close_agent(config.ray.call_timeout_s)  # agents hear the run is done
         log.close()
         actors.kill()
         if summary is None:

@@ -294,3 +294,25 @@ def test_tasks_wait_for_work_then_end_when_the_run_needs_no_more(endpoint):
         assert next_task(url).status_code == 204
     finally:
         ray.kill(actor)
+
+
+def test_closing_drops_the_open_traces_and_the_batch_returns_the_rewarded_one_at_once(endpoint):
+    # A run that stops (SIGTERM, or its last step) while agents are gone waits for none.
+    *_, model = endpoint
+    actor, url = start_agent_actor(model)  # trace_timeout_s: 300 s
+    try:
+        refs = batch(actor, 2, samples=2)  # four traces
+        rewarded, abandoned = next_task(url).json(), next_task(url).json()
+        for work in (rewarded, abandoned):
+            client = openai.OpenAI(base_url=work["base_url"], api_key=TOKEN)
+            messages = [{"role": "user", "content": work["task"]["prompt"]}]
+            client.chat.completions.create(model="solver", messages=messages, max_tokens=2)
+        assert post(url, f"/v1/traces/{rewarded['trace_id']}/reward", {"reward": 1.0}).is_success
+        ray.get(actor.close.remote(), timeout=30)
+        episodes, stats = ray.get(list(refs), timeout=10)  # no trace timeout waited for
+        assert [e.columns["trace_id"] for e in episodes] == [rewarded["trace_id"]]
+        assert stats.traces_dropped == 3  # the abandoned one and the two never handed out
+        late = post(url, f"/v1/traces/{abandoned['trace_id']}/reward", {"reward": 1.0})
+        assert late.status_code == 409 and "dropped" in late.json()["error"]["message"]
+    finally:
+        ray.kill(actor)

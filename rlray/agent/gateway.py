@@ -170,7 +170,9 @@ class AgentGateway:
             episodes += trace_episodes(trace, self.run_id, name, self._decode, now)
             del self.traces[trace.trace_id], self.batches[trace.trace_id]
             self.ended[trace.trace_id] = (
-                "dropped after agent.trace_timeout_s" if trace.dropped else "ended"
+                "dropped (not ended within agent.trace_timeout_s, or by the run's end)"
+                if trace.dropped
+                else "ended"
             )
             if len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
@@ -190,10 +192,24 @@ class AgentGateway:
         return episodes, stats
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """The run needs no more traces: tasks/next answers 204 from now on. Returns once
-        every agent that was waiting for a task has been answered (or after timeout_s)."""
+        """The run needs no more traces: tasks/next answers 204 from now on, and every
+        trace not ended is dropped (counted), so that the batches in flight return at once
+        with their ended traces' episodes: a run that stops waits for no absent agent.
+        Returns once every agent that was waiting for a task has been answered (or after
+        timeout_s)."""
         self.closed = True
         self.task_ready.set()
+        open_traces = [trace for trace in self.traces.values() if not trace.ended]
+        self.queue.clear()
+        for trace in open_traces:
+            trace.ended = trace.dropped = True
+            self._finished(trace)
+        if open_traces:
+            logger.warning(
+                "agent endpoint: the run ended with %d traces not ended; dropped, never "
+                "trained (the ended ones are stored)",
+                len(open_traces),
+            )
         deadline = time.monotonic() + timeout_s
         while self.waiting and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -303,7 +319,11 @@ class AgentGateway:
         if trace is None:
             raise RequestError(404, f"no trace {trace_id[:40]!r} in this run")
         if trace.ended:
-            why = "dropped after agent.trace_timeout_s" if trace.dropped else "ended"
+            why = (
+                "dropped (not ended within agent.trace_timeout_s, or by the run's end)"
+                if trace.dropped
+                else "ended"
+            )
             raise RequestError(409, f"trace {trace_id} has {why}")
         if trace.handed_out_at is None:
             raise RequestError(409, f"trace {trace_id} was not handed out")
