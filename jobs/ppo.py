@@ -13,9 +13,22 @@ Reads top to bottom: main -> start (config, checks) -> run (actors) -> train (st
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def _interrupted_while_importing(signum: int, frame: object) -> None:
+    # Nothing has started yet that would need stopping: out at once, in one line.
+    sys.stderr.write("ppo.py: interrupted before training began\n")
+    os._exit(130)
+
+
+# Until main() takes over (Ray, torch and vLLM take seconds to import).
+for _signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signum, _interrupted_while_importing)
 
 # `python jobs/ppo.py` puts jobs/ on sys.path, not the repository; a cluster job's
 # working directory is the repository, so this finds rlray without an install too.
@@ -39,6 +52,7 @@ from rlray.observe.timing import describe_totals
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here
     stop_on_sigterm()  # `ray job stop` (SIGTERM) stops a run as Ctrl-C does
     try:
         return start(argv)

@@ -111,6 +111,41 @@ def test_a_sigterm_while_actors_start_is_one_line_and_exit_130(job_env, tmp_path
     assert err.strip().splitlines()[-1] == "ppo.py: interrupted before training began"
 
 
+def in_session(session: int) -> list[psutil.Process]:
+    """Returns the live processes of a session (a job started with start_new_session)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session and alive(process):
+                found.append(process)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.5, 4.0])
+def test_a_signal_at_any_instant_of_start_up_is_one_line_exit_130_and_leaves_nothing(
+    job_env, tmp_path, delay_s
+):
+    # While the job imports (0.3 s), checks its config and model (1.5 s), starts Ray (4 s).
+    env = {k: v for k, v in job_env.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    job = start_job(["--learner.steps", "50", "--run-dir", str(tmp_path / "run")], env)
+    try:
+        time.sleep(delay_s)
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "ppo.py: interrupted before training began"
+    assert "step " not in out  # never trained
+    deadline = time.monotonic() + 30  # two pytest workers: the machine may be busy
+    while (left := in_session(job.pid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], [p.cmdline()[:1] for p in left]
+
+
 def test_a_killed_driver_takes_its_local_ray_with_it(tmp_path):
     """SIGKILL of a driver that started its own Ray: within 10 s no process of that Ray
     is left (its dashboard and runtime-env agents outlived it by a minute before)."""
