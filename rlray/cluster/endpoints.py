@@ -159,19 +159,23 @@ class AgentActor:
         """Returns the endpoint's URL (it serves from the constructor on)."""
         return self.gateway.url
 
-    def run_batch(
+    # The actor is an async actor (it has coroutine methods): Ray runs its calls in one
+    # event loop, so a call that blocked would hold every other one, close() behind a
+    # batch waiting for its traces. Each awaits the server's loop instead.
+
+    async def run_batch(
         self, rows: list[PromptRow], first_prompt_index: int, samples: int, worker: int
     ) -> tuple[list[Episode], GenerateStats]:
         """Hands out one trace per row and sample; returns their episodes once every
         trace ended or was dropped (AgentGateway.run_batch)."""
         batch = self.gateway.run_batch(rows, first_prompt_index, samples, worker)
-        return asyncio.run_coroutine_threadsafe(batch, self.server.loop).result()
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(batch, self.server.loop))
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    async def close(self, timeout_s: float = 10.0) -> None:
         """The run needs no more traces: agents asking for one get 204 (those waiting
-        for one have, when this returns)."""
+        for one have, when this returns), and the traces not ended are dropped."""
         closed = asyncio.run_coroutine_threadsafe(self.gateway.close(timeout_s), self.server.loop)
-        closed.result(timeout_s + 5)
+        await asyncio.wait_for(asyncio.wrap_future(closed), timeout_s + 5)
 
     async def _generate(
         self, worker: int, token_ids: list[int], sampling: Sampling, max_tokens: int
