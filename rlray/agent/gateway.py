@@ -192,27 +192,37 @@ class AgentGateway:
         return episodes, stats
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        """The run needs no more traces: tasks/next answers 204 from now on, and every
-        trace not ended is dropped (counted), so that the batches in flight return at once
-        with their ended traces' episodes: a run that stops waits for no absent agent.
-        Returns once every agent that was waiting for a task has been answered (or after
-        timeout_s)."""
+        """The run needs no more traces: tasks/next answers 204 from now on, and traces not
+        yet handed out are dropped. Agents still playing a trace get `timeout_s` to end it;
+        then every trace not ended is dropped (counted, logged), so that the batches in
+        flight return with their ended traces' episodes: a run that stops waits for no
+        absent agent longer. Returns once that is done, and every agent that was waiting
+        for a task has been answered."""
         self.closed = True
         self.task_ready.set()
-        open_traces = [trace for trace in self.traces.values() if not trace.ended]
+        for trace in self.queue:
+            self._drop(trace)
         self.queue.clear()
-        for trace in open_traces:
-            trace.ended = trace.dropped = True
-            self._finished(trace)
-        if open_traces:
-            logger.warning(
-                "agent endpoint: the run ended with %d traces not ended; dropped, never "
-                "trained (the ended ones are stored)",
-                len(open_traces),
-            )
         deadline = time.monotonic() + timeout_s
-        while self.waiting and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        while (self.waiting or self._playing()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self._playing()
+        for trace in left:
+            self._drop(trace)
+        if left:
+            logger.warning(
+                "agent endpoint: %d traces not ended %g s after the run ended; dropped, never "
+                "trained (every ended one is stored)",
+                len(left),
+                timeout_s,
+            )
+
+    def _playing(self) -> list[Trace]:
+        return [t for t in self.traces.values() if not t.ended and t.handed_out_at is not None]
+
+    def _drop(self, trace: Trace) -> None:
+        trace.ended = trace.dropped = True
+        self._finished(trace)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -231,13 +241,12 @@ class AgentGateway:
     def _expire(self, trace: Trace) -> None:
         """Drops a trace its agent did not end within agent.trace_timeout_s."""
         if not trace.ended:
-            trace.ended = trace.dropped = True
             logger.warning(
                 "trace %s dropped: not ended within agent.trace_timeout_s (%g s)",
                 trace.trace_id,
                 self.trace_timeout_s,
             )
-            self._finished(trace)
+            self._drop(trace)
 
     # ---------------------------------------------------------------- HTTP
 

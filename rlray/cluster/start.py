@@ -290,8 +290,9 @@ def _end_local_ray_with_this_process() -> None:
     """Starts local_ray_watchdog.py over the processes this process starts (the local
     Ray's), so that none of them outlives it (see there)."""
     read_end, _ = os.pipe()  # the write end stays open, unshared, while this process lives
+    session = ray._private.worker._global_node.get_session_dir_path()
     subprocess.Popen(
-        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid())],
+        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid()), session],
         pass_fds=(read_end,),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
