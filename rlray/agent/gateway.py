@@ -200,6 +200,7 @@ class AgentGateway:
         for a task has been answered."""
         self.closed = True
         self.task_ready.set()
+        queued = len(self.queue)
         for trace in self.queue:
             self._drop(trace)
         self.queue.clear()
@@ -209,10 +210,11 @@ class AgentGateway:
         left = self._playing()
         for trace in left:
             self._drop(trace)
-        if left:
+        if queued or left:
             logger.warning(
-                "agent endpoint: %d traces not ended %g s after the run ended; dropped, never "
-                "trained (every ended one is stored)",
+                "agent endpoint: at the run's end %d traces not handed out and %d not ended "
+                "within %g s were dropped, never trained (every ended one is stored)",
+                queued,
                 len(left),
                 timeout_s,
             )

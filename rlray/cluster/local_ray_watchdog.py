@@ -3,15 +3,16 @@
 Ray ties its GCS and raylet to the driver that started them (they die with it), and
 the actors' workers follow their raylet within seconds; but the dashboard and runtime-env
 agents poll for their raylet and outlive a SIGKILLed driver by about a minute. The
-driver starts this program right after `ray.init` with the read end of a pipe whose
-write end only the driver holds, its own process id and its Ray's session directory.
-Until the read returns (the driver has exited) it notes, every second, the processes
-below the driver (and their start times); then it kills every one of them still
-running, and every process that names the session directory on its command line or
-holds a file in it open (its log): an agent the raylet started after the last note (a
-driver stopped right after `ray.init`) included.
+driver starts this program just before `ray.init` with the read end of a pipe whose
+write end only the driver holds, and its own process id. Until the read returns (the
+driver has exited) it notes, every second, the processes below the driver (and their
+start times); then it kills every one of them still running, and every process of the
+driver's Ray session (Ray names the session's directory `session_<time>_<driver pid>`)
+that names that directory on its command line or holds a file there open (its log): an
+agent the raylet started after the last note (a driver stopped while Ray started)
+included.
 
-    python local_ray_watchdog.py FD DRIVER_PID SESSION_DIR
+    python local_ray_watchdog.py FD DRIVER_PID
 
 Standard library only, and started in a session of its own: it must outlive the
 driver's process group.
@@ -19,6 +20,7 @@ driver's process group.
 
 import contextlib
 import os
+import re
 import select
 import signal
 import sys
@@ -54,24 +56,26 @@ def descendants(root):
     return found
 
 
-def of_session(session_dir):
-    """Returns {pid: start time} of every process of the session: its command line names
-    the session directory, or it holds a file there open (Ray's agents rename themselves,
-    but write their output to the session's logs)."""
+def of_session(driver):
+    """Returns {pid: start time} of every process of the driver's Ray session: its command
+    line names the session's directory, or it holds a file there open (Ray's agents
+    rename themselves, but write their output to the session's logs)."""
+    session = re.compile(rf"/session_[0-9_-]+_{driver}(/|$)")
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        if _names(entry, session_dir) and (started := start_time(entry.name)) is not None:
+        if _names(entry, session) and (started := start_time(entry.name)) is not None:
             found[int(entry.name)] = started
     return found
 
 
-def _names(process, session_dir):
+def _names(process, session):
     try:
-        if session_dir.encode() in (process / "cmdline").read_bytes():
+        command = (process / "cmdline").read_bytes().decode(errors="replace")
+        if session.search(command.replace("\0", " ")):
             return True
-        return any(session_dir in _target(fd) for fd in (process / "fd").iterdir())
+        return any(session.search(_target(fd)) for fd in (process / "fd").iterdir())
     except OSError:  # gone, or not ours to read
         return False
 
@@ -83,7 +87,7 @@ def _target(fd):
         return ""
 
 
-def main(fd, driver, session_dir):
+def main(fd, driver):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the driver's
     known = {}
     while True:
@@ -92,7 +96,7 @@ def main(fd, driver, session_dir):
         ready, _, _ = select.select([fd], [], [], 1.0)
         if ready and not os.read(fd, 4096):  # b"": the driver has exited
             break
-    known.update(of_session(session_dir))
+    known.update(of_session(driver))
     for pid, started in known.items():
         if start_time(pid) == started:  # not a new process that took a freed pid
             with contextlib.suppress(ProcessLookupError):
@@ -100,4 +104,4 @@ def main(fd, driver, session_dir):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]))

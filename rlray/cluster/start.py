@@ -209,6 +209,8 @@ def _init(target: str, num_cpus: int) -> None:
         _send_auth_token_if_any()
         ray.init(address=target)
         return
+    # Before ray.init: a signal that stops the job while Ray starts leaves nothing either.
+    _end_local_ray_with_this_process()
     with _without_unused_head_processes(), _in_a_process_group_of_their_own():
         ray.init(
             address="local",
@@ -217,7 +219,6 @@ def _init(target: str, num_cpus: int) -> None:
             logging_level=logging.WARNING,  # not "Started a local Ray instance"
         )
     _watch_actor_output_in_this_process()
-    _end_local_ray_with_this_process()
 
 
 @contextlib.contextmanager
@@ -290,9 +291,8 @@ def _end_local_ray_with_this_process() -> None:
     """Starts local_ray_watchdog.py over the processes this process starts (the local
     Ray's), so that none of them outlives it (see there)."""
     read_end, _ = os.pipe()  # the write end stays open, unshared, while this process lives
-    session = ray._private.worker._global_node.get_session_dir_path()
     subprocess.Popen(
-        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid()), session],
+        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid())],
         pass_fds=(read_end,),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
