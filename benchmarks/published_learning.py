@@ -4,7 +4,7 @@ every weight trained and with LoRA, over seeds; held-out accuracy against traini
 
     python benchmarks/published_learning.py                         # 3 seeds, both variants
     python benchmarks/published_learning.py --variants full --seeds 0 --budget-s 600
-    python benchmarks/published_learning.py --picture docs/smollm2-learning.png
+    python benchmarks/published_learning.py --plot docs/smollm2-learning.png
 
 Each run is `python jobs/ppo.py --config examples/smollm2-arithmetic.yaml` with the
 variant's arguments and a seed, run one after another (2 cores: one thing at a time).
@@ -13,7 +13,7 @@ benchmarks/vs_trl.py, whose `published` mode reads the same full-training runs (
 --out and learning rate). Held-out accuracy is the share of the 200 held-out questions
 whose greedy reply the task's scorer gives 1. Prints, per variant, the accuracy at the
 start, at each sixth of the budget and the best within it, and the rise by the budget
-(mean and range over seeds); --picture draws the curves.
+(mean and range over seeds); --plot draws the curves.
 
 Runs whose result exists under --out are read, not re-run.
 """
@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from plots import accuracy_curves
 from vs_trl import PUBLISHED_JOB, REPO, Outcome, run_rlray, spread
 
 VARIANTS = {
@@ -59,28 +60,6 @@ def table(runs: dict[str, list[Outcome]], budget: float) -> str:
     return "\n".join(lines)
 
 
-def draw(runs: dict[str, list[Outcome]], budget: float, path: Path) -> None:
-    """Draws each run's held-out accuracy against training minutes into `path`."""
-    from matplotlib.figure import Figure  # only when a picture is asked for
-
-    figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
-    axes = figure.subplots()
-    for (variant, outcomes), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=False):
-        for i, o in enumerate(outcomes):
-            shown = [e for e in o.evals if e["seconds"] <= budget]
-            minutes = [e["seconds"] / 60 for e in shown]
-            accuracy = [e["accuracy"] for e in shown]
-            label = variant if i == 0 else None
-            axes.plot(minutes, accuracy, marker="o", markersize=3, color=color, label=label)
-    axes.set_xlabel("training minutes (held-out evaluations not counted)")
-    axes.set_ylabel("held-out accuracy (reasoning-gym's scorer)")
-    axes.set_title("SmolLM2-135M-Instruct on basic_arithmetic, 2 CPU cores, one line a seed")
-    axes.set_ylim(0, 1)
-    axes.grid(True, alpha=0.3)
-    axes.legend(loc="lower right")
-    figure.savefig(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-published")
@@ -88,7 +67,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--budget-s", type=float, default=1800.0, help="training seconds")
     parser.add_argument("--steps", type=int, default=45, help="learner steps a run takes")
-    parser.add_argument("--picture", type=Path, help="write the learning curves here (PNG)")
+    parser.add_argument("--plot", type=Path, help="draw the learning curves here (PNG)")
     args = parser.parse_args()
     runs = {v: [run(v, seed, args) for seed in args.seeds] for v in args.variants}
     for variant, outcomes in runs.items():
@@ -98,9 +77,11 @@ def main() -> None:
     seeds = " ".join(map(str, args.seeds))
     print(f"\nHeld-out accuracy, seeds {seeds}, mean (min-max):\n")
     print(table(runs, args.budget_s))
-    if args.picture:
-        draw(runs, args.budget_s, args.picture)
-        print(f"\npicture: {args.picture}")
+    if args.plot:
+        curves = {variant: [o.evals for o in outcomes] for variant, outcomes in runs.items()}
+        title = "SmolLM2-135M-Instruct on basic_arithmetic, 2 CPU cores, a line a seed"
+        ylabel = "held-out accuracy (the task's scorer)"
+        accuracy_curves(curves, args.plot, title, ylabel, args.budget_s, minutes=True)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from plots import accuracy_curves, throughput_by_size  # noqa: E402
+
 from rlray.config import Config  # noqa: E402
 from rlray.config.command_line import parse_command_line  # noqa: E402
 from rlray.data.cache import cache_dir  # noqa: E402
@@ -264,6 +266,9 @@ def learning(args: argparse.Namespace) -> None:
     every seed and prints the comparison."""
     trl_runs, our_runs = tuned_runs(args, [], "rlray default job")
     print(comparison(our_runs, trl_runs))
+    if args.plot:
+        title = "The default task (0.53M model), 2 CPU cores, a line a seed"
+        plot_curves(our_runs, trl_runs, args.plot, title)
 
 
 def published(args: argparse.Namespace) -> None:
@@ -272,6 +277,17 @@ def published(args: argparse.Namespace) -> None:
     held-out rows and step shape on both sides."""
     trl_runs, our_runs = tuned_runs(args, ["--config", str(PUBLISHED_JOB)], "rlray, published")
     print(published_comparison(our_runs, trl_runs, args.budget_s))
+    if args.plot:
+        title = "SmolLM2-135M-Instruct on basic_arithmetic, 2 CPU cores, a line a seed"
+        plot_curves(our_runs, trl_runs, args.plot, title, args.budget_s)
+
+
+def plot_curves(
+    ours: list[Outcome], trl: list[Outcome], path: Path, title: str, budget: float | None = None
+) -> None:
+    """Both sides' held-out accuracy against training seconds, a line a seed."""
+    runs = {"rlray": [o.evals for o in ours], "TRL GRPOTrainer": [o.evals for o in trl]}
+    accuracy_curves(runs, path, title, budget=budget)
 
 
 def tuned_runs(
@@ -409,6 +425,7 @@ def throughput(args: argparse.Namespace) -> None:
         "| vs TRL | peak GiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    points: dict[str, list[tuple[float, float]]] = {}
     for size in args.sizes:
         for length in args.lengths:
             model, params = random_model(size, length)
@@ -425,6 +442,9 @@ def throughput(args: argparse.Namespace) -> None:
                 )
             results["TRL"] = throughput_trl(model, length, episodes, args)
             for system, o in results.items():
+                points.setdefault(f"{system}, {length} tokens", []).append(
+                    (params, o.episodes_per_s)
+                )
                 lines.append(
                     f"| {size} ({params / 1e6:.1f}M) | {length} | {episodes} | {system} | "
                     f"{o.episodes_per_s:.2f} | {o.tokens_per_s:.0f} | "
@@ -432,6 +452,9 @@ def throughput(args: argparse.Namespace) -> None:
                     f"{fmt(o.peak_gib, 2)} |"
                 )
     print("\n".join(lines))
+    if args.plot:
+        title = "Random-weight models, every completion of its length, 2 CPU cores"
+        throughput_by_size(points, args.plot, title)
 
 
 def random_model(size: str, length: int) -> tuple[str, int]:
@@ -534,6 +557,7 @@ def main() -> None:
     parser.add_argument(
         "--micro-batch-tokens", type=int, help="learner.micro_batch_tokens (default: the job's)"
     )
+    parser.add_argument("--plot", type=Path, help="draw the comparison here (PNG)")
     args = parser.parse_args()
     {"learning": learning, "published": published, "throughput": throughput}[args.mode](args)
 
