@@ -13,12 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-import pyarrow.compute as pc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlray.core.episode import from_table
-from rlray.episodes.reader import format_trace, read, summarize
+from rlray.episodes.reader import find_episode, format_trace, read, summarize
 
 
 def main(argv: list[str]) -> int:
@@ -43,11 +40,11 @@ def main(argv: list[str]) -> int:
 
 def show_episode(table, episode_id: str) -> int:
     """Prints one episode's trace; returns the exit code (2 if there is no such episode)."""
-    rows = table.filter(pc.equal(table["episode_id"], episode_id))
-    if rows.num_rows == 0:
+    episode = find_episode(table, episode_id)
+    if episode is None:
         print(f"episodes.py: error: no episode {episode_id!r} in the store", file=sys.stderr)
         return 2
-    print(format_trace(from_table(rows)[0]))
+    print(format_trace(episode))
     return 0
 
 

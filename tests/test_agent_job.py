@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["agent_traces_dropped"] == 0 for m in steps)
     assert all(m["logprob_parity_error"] < 1e-4 for m in steps)  # after every sync
+    # A trace makes an episode a model call: batches hold more episodes than their
+    # traces reserved, and the buffer splits them so that no step trains more than
+    # learner.episodes_per_step (the example's 128).
+    assert all(0 < m["episodes"] <= 128 for m in steps), [m["episodes"] for m in steps]
     episodes = read(str(run_dir / "episodes")).to_pylist()
     # Every trace handed out is in the store, once: one per prompt and sample.
     traces: dict[tuple[int, int], set[str]] = {}
@@ -129,6 +134,10 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     )
     dropped = int(ended[1]) + int(ended[2]) if ended else 0
     assert len(traces) + dropped == queued and all(len(ids) == 1 for ids in traces.values())
+    # A trace's spans are stored once, with its first episode.
+    with_spans = Counter(json.loads(e["columns"])["trace_id"] for e in episodes if e["spans"])
+    assert set(with_spans.values()) == {1}
+    assert len(with_spans) == len({json.loads(e["columns"])["trace_id"] for e in episodes})
     # Both agents played: the example's solver and checker, the documented loop's solver.
     roles = {json.loads(e["columns"])["agent_role"] for e in episodes}
     assert roles == {"solver", "checker"}

@@ -5,8 +5,15 @@ reward, spans and versions."""
 from __future__ import annotations
 
 from rlray.agent.traces import Call, Trace, trace_episodes
+from rlray.config import RewardSpec
+from rlray.core.episode import Span
+from rlray.core.groups import trace_spans
 from rlray.core.prompt import PromptRow
+from rlray.episodes.reader import find_episode, format_trace, read
+from rlray.episodes.store import EpisodeStore
+from rlray.rewards.worker import RewardWorker
 from rlray.rollout.sampling import Generated
+from tests.test_episode import make_episode
 
 EOS = 1
 
@@ -116,3 +123,36 @@ def test_events_are_spans_in_the_order_they_came():
     trace.end(0.5, {}, 3.0)
     kinds = [(s.kind, s.name) for s in trace.spans]
     assert kinds == [("model_call", "solver"), ("event", "agree"), ("reward", None)]
+
+
+def test_a_traces_spans_are_stored_once_and_every_episode_reads_them(tmp_path):
+    """A trace's events and calls are stored with its first episode only (an agent's 20
+    events of 500 kB would otherwise be stored once per episode), and every episode of the
+    trace still reads them: in the reward that takes `spans`, and in the store's reader."""
+    trace = new_trace(call("c0", [5], [8]), call("c1", [6], [9]), call("c2", [7], [4]))
+    trace.add_event("note", "x" * 1000, None, 1.0)
+    trace.spans += [
+        Span("tool_call", 1.0, 1.5, name="add", result="3"),
+        Span("tool_call", 1.5, 2.0, name="add", error="ValueError"),
+    ]
+    trace.end(None, {}, 3.0)
+    episodes = trace_episodes(trace, "run", "rollout-0", decode, 3.0)
+    assert [len(e.spans) for e in episodes] == [len(trace.spans), 0, 0]
+    assert trace_spans(episodes) == [trace.spans] * 3
+    alone = make_episode(episode_id="other", spans=[Span("reward", 1.0, 1.0, value=0.5)])
+    assert trace_spans([alone, *episodes[1:]])[0] == alone.spans
+
+    # The reward worker scores in chunks of one: the later episodes' chunks hold no spans.
+    worker = RewardWorker("reward-0", [RewardSpec(name="tool_success")], batch_size=1)
+    scored, _ = worker.score(episodes)
+    assert [e.reward for e in scored] == [0.5, 0.5, 0.5]  # one of the trace's two calls failed
+
+    store = EpisodeStore(tmp_path, "run")
+    store.append(episodes)
+    store.flush()
+    table = read(tmp_path)
+    for e in episodes:
+        shown = find_episode(table, e.episode_id)
+        assert shown is not None and shown.spans == trace.spans
+        assert "event      note" in format_trace(shown)
+    assert find_episode(table, "no-such-episode") is None

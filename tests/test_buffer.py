@@ -109,3 +109,49 @@ def test_a_restarted_buffer_restored_by_its_producer_continues_where_it_stopped(
     assert [b.batch_id for b in taken.batches] == [0, 1, 2]
     with pytest.raises(RuntimeError, match="freshly started"):
         buffer.restore([], 0)
+
+
+def grouped(version: int, sizes: list[int], batch_id: int) -> BufferedBatch:
+    made = batch(version, size=sum(sizes), batch_id=batch_id)
+    made.group_sizes = sizes
+    return made
+
+
+def test_a_step_never_takes_more_than_it_asks_for_a_batch_is_split_between_groups():
+    """Agent batches hold more episodes than they reserved (a model call's episode each):
+    a step takes the groups that fit, and the rest of the batch waits for the next."""
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    for batch_id, sizes in enumerate(([3, 5, 2], [4, 4])):
+        assert buffer.reserve(4)
+        buffer.add(grouped(0, sizes, batch_id), reserved=4)
+
+    first = buffer.take(8, learner_version=0)  # 3 + 5 fit, 2 + 4 + 4 wait
+    (head,) = first.batches
+    assert (head.ref, head.num_episodes, head.group_sizes) == (["ref-0", 0, 2], 8, [3, 5])
+    assert (first.rest.ref, first.rest.num_episodes) == (["ref-0", 2, 3], 2)
+    assert first.depth_episodes == 10
+
+    second = buffer.take(8, learner_version=0)  # 2 + 4 fit; the last group waits
+    assert [b.ref for b in second.batches] == [["ref-0", 2, 3], ["ref-1", 0, 1]]
+    assert sum(b.num_episodes for b in second.batches) == 6
+    assert second.rest.ref == ["ref-1", 1, 2] and second.depth_episodes == 4
+    assert buffer.take(8, learner_version=0) is None  # 4 left: too few for a step
+
+
+def test_a_first_group_bigger_than_the_step_is_taken_alone():
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    assert buffer.reserve(4)
+    buffer.add(grouped(0, [9, 1], 0), reserved=4)
+    taken = buffer.take(8, learner_version=0)
+    assert [(b.ref, b.num_episodes) for b in taken.batches] == [(["ref-0", 0, 1], 9)]
+    assert taken.rest.num_episodes == 1
+
+
+def test_batches_of_whole_groups_that_fit_are_taken_whole():
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    for batch_id in range(3):
+        assert buffer.reserve(4)
+        buffer.add(grouped(0, [2, 2], batch_id))
+    taken = buffer.take(8, learner_version=0)
+    assert [b.ref for b in taken.batches] == [["ref-0"], ["ref-1"]]
+    assert taken.rest is None and taken.depth_episodes == 4

@@ -448,12 +448,13 @@ def test_generate_carrying_returns_each_group_once_and_says_what_it_still_holds(
     _, ((first, first_stats), (last, last_stats)) = across_a_load[3]
     assert sorted({e.prompt_index for e in first}) == [0, 1, 2, 3]
     assert len(first) == 4 * ROLLOUT.samples_per_prompt
-    assert (first_stats.first_prompt_index, first_stats.carried_from) == (0, 100)
+    assert (first_stats.first_prompt_index, first_stats.carried_prompts) == (0, [100])
+    assert first_stats.returned_prompts == [0, 1, 2, 3]
     assert first_stats.episodes == len(first)
     # The call that finishes what is held returns the long group alone, whole.
     assert [e.prompt_index for e in last] == [100] * ROLLOUT.samples_per_prompt
     assert all(len(e.completion_token_ids) == LONG for e in last)
-    assert (last_stats.first_prompt_index, last_stats.carried_from) == (100, None)
+    assert (last_stats.returned_prompts, last_stats.carried_prompts) == ([100], [])
     ids = [e.episode_id for e in first + last]
     assert len(set(ids)) == len(ids)
 
@@ -485,11 +486,11 @@ def test_generate_carrying_carries_trajectories_and_returns_each_once(across_a_l
     _, ((first, first_stats), (last, last_stats)) = across_a_load[4]
     samples = ROLLOUT.samples_per_prompt
     assert sorted({e.prompt_index for e in first}) == [200, 201, 202]
-    assert (first_stats.first_prompt_index, first_stats.carried_from) == (200, 203)
+    assert (first_stats.returned_prompts, first_stats.carried_prompts) == ([200, 201, 202], [203])
     assert [e.prompt_index for e in last] == [203] * samples
     assert all(sum(s.kind == "model_call" for s in e.spans) == 4 for e in last)
     assert all(e.reward is None and e.finish_reason == "stop" for e in last)
-    assert (last_stats.first_prompt_index, last_stats.carried_from) == (203, None)
+    assert (last_stats.returned_prompts, last_stats.carried_prompts) == ([203], [])
     ids = [e.episode_id for e in first + last]
     assert len(set(ids)) == len(ids) == 4 * samples
 

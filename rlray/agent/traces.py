@@ -9,9 +9,11 @@ Its calls become episodes without re-tokenising anything. A call whose prompt ex
 earlier episode of the trace (its prompt and completion, token for token) continues that
 episode: the tokens between are appended with completion_mask 0, the call's own with 1,
 so the learner trains on the policy's tokens only. Any other call starts an episode of
-its own. Every episode of a trace carries the trace's spans (its model calls, tool
-calls, events and reward, in order), so the store shows the whole trace from any of
-them, and its columns name the trace (`trace_id`) and the agent's role (`agent_role`).
+its own. The trace's first episode carries the trace's spans (its model calls, tool
+calls, events and reward, in order) and its other episodes none, so a trace's events
+are stored once however many episodes it made; every episode's columns name the trace
+(`trace_id`, which rlray.core.groups.trace_spans follows back to the spans) and the
+agent's role (`agent_role`).
 """
 
 from __future__ import annotations
@@ -218,6 +220,6 @@ def _episode(
         reward=reward,
         reward_components=dict(trace.components) if reward is not None else {},
         generated_at=now,
-        spans=list(trace.spans),
+        spans=list(trace.spans) if index == 0 else [],
         completion_mask=assembled.completion_mask if merged else [],
     )

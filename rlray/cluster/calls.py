@@ -18,6 +18,7 @@ from ray.exceptions import (
 )
 
 from rlray.core.episode import Episode
+from rlray.core.groups import select_groups
 
 
 class ActorFailure(RuntimeError):
@@ -88,6 +89,11 @@ def _last_line(err: Exception) -> str:
 
 
 def resolve_episodes(batch_refs: Sequence[list[Any]], timeout_s: float) -> list[Episode]:
-    """Returns the episodes behind buffered references ([ref] each), fetched here."""
+    """Returns the episodes behind buffered references, fetched here: [ref] for a whole
+    batch, [ref, start, stop] for its groups start to stop (rlray.episodes.buffer)."""
     batches = ray.get([box[0] for box in batch_refs], timeout=timeout_s)
-    return [episode for batch in batches for episode in batch]
+    return [
+        episode
+        for box, batch in zip(batch_refs, batches, strict=True)
+        for episode in (select_groups(batch, box[1], box[2]) if len(box) == 3 else batch)
+    ]

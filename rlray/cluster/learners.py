@@ -151,8 +151,14 @@ class LearnerActor(_GroupMember):
     def logprobs(self, episodes: list[Episode]) -> list[list[float]]:
         return self.learner.logprobs(episodes)
 
-    def save_checkpoint(self, run_dir: str, prompt_cursor: int, publish: bool = True) -> Path:
-        return self.learner.save_checkpoint(run_dir, prompt_cursor, publish)
+    def save_checkpoint(
+        self,
+        run_dir: str,
+        prompt_cursor: int,
+        publish: bool = True,
+        replay_prompts: list[int] | None = None,
+    ) -> Path:
+        return self.learner.save_checkpoint(run_dir, prompt_cursor, publish, replay_prompts)
 
     def publish_staged(self, run_dir: str, version: int, keep: bool) -> Path | None:
         return self.learner.publish_staged(run_dir, version, keep)

@@ -8,7 +8,7 @@ the same reward: a group estimator learns nothing from them.
 
 from __future__ import annotations
 
-from rlray.core.episode import Episode
+from rlray.core.episode import Episode, Span
 
 AGENT_TRACE_COLUMN = "trace_id"
 """The column of an agent trace's episodes (rlray.agent): one sample of its prompt,
@@ -26,6 +26,28 @@ def group_indexes(episodes: list[Episode]) -> list[int]:
     """Returns each episode's group index: 0, 1, ... in order of first appearance."""
     keys: dict[tuple[int, str], int] = {}
     return [keys.setdefault(group_key(e), len(keys)) for e in episodes]
+
+
+def group_sizes(episodes: list[Episode]) -> list[int]:
+    """Returns the number of episodes of each group, groups in order of first appearance."""
+    sizes: list[int] = []
+    for index in group_indexes(episodes):
+        if index == len(sizes):
+            sizes.append(0)
+        sizes[index] += 1
+    return sizes
+
+
+def group_prompts(episodes: list[Episode]) -> list[int]:
+    """Returns each group's prompt index, groups in order of first appearance."""
+    keys = dict.fromkeys(group_key(e) for e in episodes)
+    return [prompt_index for prompt_index, _ in keys]
+
+
+def select_groups(episodes: list[Episode], start: int, stop: int) -> list[Episode]:
+    """Returns the episodes of groups `start` to `stop` (exclusive, in order of first
+    appearance), in their order: a part of a batch the buffer split between groups."""
+    return [e for e, g in zip(episodes, group_indexes(episodes), strict=True) if start <= g < stop]
 
 
 def sample_indexes(episodes: list[Episode]) -> list[int]:
@@ -81,3 +103,20 @@ def split_uniform_groups(episodes: list[Episode]) -> tuple[list[Episode], list[E
     kept = [e for e in episodes if group_key(e) in mixed]
     uniform = [e for e in episodes if group_key(e) not in mixed]
     return kept, uniform
+
+
+def trace_spans(episodes: list[Episode]) -> list[list[Span]]:
+    """Returns each episode's trace: its own spans, or for an agent trace's episodes the
+    spans of the trace, which only its first episode stores (a trace's events are stored
+    once, however many episodes its calls made)."""
+    by_trace: dict[str, list[Span]] = {}
+    for e in episodes:
+        trace_id = e.columns.get(AGENT_TRACE_COLUMN)
+        if trace_id is not None and e.spans:
+            by_trace.setdefault(trace_id, e.spans)
+    return [
+        by_trace.get(e.columns[AGENT_TRACE_COLUMN], e.spans)
+        if AGENT_TRACE_COLUMN in e.columns
+        else e.spans
+        for e in episodes
+    ]

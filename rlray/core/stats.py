@@ -90,9 +90,12 @@ class GenerateStats:
     """With partial rollouts (RolloutWorker.generate_carrying), the lowest prompt index
     of the episodes returned: groups started by an earlier call may come back in this
     one. None otherwise."""
-    carried_from: int | None = None
-    """With partial rollouts, the lowest prompt index of the groups still running in the
-    engine after the call; None if none (or no partial rollouts)."""
+    returned_prompts: list[int] | None = None
+    """With partial rollouts, the prompt indices of the groups returned (not this call's
+    own prompts alone); None otherwise (a call returns its own prompts' groups)."""
+    carried_prompts: list[int] = field(default_factory=list)
+    """With partial rollouts, the prompt indices of the groups still running in the
+    engine after the call (none without partial rollouts)."""
 
 
 @dataclass
@@ -120,6 +123,12 @@ class ScoreStats:
     uniform_groups: int = 0
     """Groups split off because all their samples got the same reward (dynamic sampling)."""
     uniform_episodes: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    """Episodes of each group handed on for training, in order (the buffer splits a batch
+    between groups where a learner step has room for part of it)."""
+    group_prompts: list[int] = field(default_factory=list)
+    """The prompt index of each of those groups (a checkpoint names the prompts not yet
+    trained on)."""
 
 
 @dataclass

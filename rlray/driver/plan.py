@@ -63,6 +63,15 @@ class RunPlan:
         state = json.loads((self.checkpoint / "state.json").read_text())
         return checkpoint_version(self.checkpoint), int(state["prompt_cursor"])
 
+    def replay_prompts(self) -> list[int]:
+        """Returns the prompts the checkpoint left handed out and not trained on, which a
+        resumed run regenerates first (none for a fresh start, or a checkpoint from
+        before they were recorded: its cursor was the lowest of them)."""
+        if self.checkpoint is None:
+            return []
+        state = json.loads((self.checkpoint / "state.json").read_text())
+        return [int(p) for p in state.get("replay_prompts", [])]
+
     def resumed(self) -> RunPlan:
         """Returns the plan continued from the run's latest checkpoint (after a lost actor)."""
         return replace(self, checkpoint=latest_checkpoint(self.run_dir))

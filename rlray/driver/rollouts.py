@@ -147,9 +147,22 @@ class Rollouts:
         self.tally = RolloutTally()
         self.step_version = 0
         """The learner step whose reward weights score (reward schedules)."""
-        self.carried: dict[int, int] = {}
-        """With partial rollouts, each worker's lowest prompt index still in its engine
-        (as its last generate call reported), for workers that hold any."""
+        self.carried: dict[int, list[int]] = {}
+        """With partial rollouts, each worker's prompt indices still in its engine (as its
+        last generate call reported), for workers that hold any."""
+
+    def open_prompts(self) -> set[int]:
+        """Returns the prompt indices handed out and not yet delivered: those of batches
+        not yet generated, those a generate call returned and scoring holds, and those
+        partial rollouts left running in an engine."""
+        prompts = {p for held in self.carried.values() for p in held}
+        for item in self.in_flight:
+            if item.generated is not None and item.generated.returned_prompts is not None:
+                prompts.update(item.generated.returned_prompts)
+            else:
+                first = item.first_prompt_index
+                prompts.update(range(first, first + len(item.rows)))
+        return prompts
 
     def idle_workers(self) -> list[int]:
         """Returns the rollout workers with room for another batch."""
@@ -183,7 +196,7 @@ class Rollouts:
         rollouts left in its engine (the run's end; a worker that holds none returns
         none)."""
         for worker in range(len(self.actors.rollout)):
-            first = self.carried.get(worker, 0)
+            first = min(self.carried.get(worker, [0]))
             self._start(InFlight([], first, worker, self.next_reward, 0, finishing=True))
 
     def _start(self, item: InFlight) -> None:
@@ -307,10 +320,10 @@ class Rollouts:
             return False
         item.generated = stats
         self.tally.generated(stats)
-        if stats.carried_from is None:
-            self.carried.pop(item.worker_index, None)
+        if stats.carried_prompts:
+            self.carried[item.worker_index] = stats.carried_prompts
         else:
-            self.carried[item.worker_index] = stats.carried_from
+            self.carried.pop(item.worker_index, None)
         return True
 
     def _scored(self, item: InFlight) -> None:

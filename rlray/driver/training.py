@@ -24,6 +24,7 @@ from rlray.core.interrupts import interrupts_held
 from rlray.core.stats import StoreStats, metrics_dict
 from rlray.driver.evaluation import Evaluation, Evaluator, PendingEvaluation
 from rlray.driver.plan import RunPlan
+from rlray.driver.prompt_queue import PromptQueue
 from rlray.driver.recovery import Recovery
 from rlray.driver.rollouts import InFlight, Rollouts
 from rlray.driver.store_writes import StoreWrites
@@ -69,7 +70,7 @@ class TrainingDriver:
         self.plan = plan
         self.actors = actors
         self.learner_version = version
-        self.prompt_cursor = prompt_cursor
+        self.prompt_queue = PromptQueue(prompt_cursor, plan.replay_prompts())
         self.clock = PhaseClock()
         self.telemetry = Telemetry(plan.run_id)
         self.recovery = Recovery(
@@ -128,25 +129,21 @@ class TrainingDriver:
 
     def fill(self) -> None:
         """Starts a batch on every idle rollout worker that may generate and has room."""
-        batch_size = self.config.rollout_batch_episodes
         rollout = self.config.rollout
         for worker in self.rollouts.idle_workers():
             if not self._may_generate(worker):
                 continue
+            first, count = self.prompt_queue.next_batch(rollout.prompts_per_batch)
+            batch_size = count * rollout.samples_per_prompt
             with interrupts_held():
                 if not self.buffer_call(
-                    lambda: self.actors.buffer.reserve.remote(batch_size), "reserve"
+                    lambda size=batch_size: self.actors.buffer.reserve.remote(size), "reserve"
                 ):
                     return  # full: producers wait until the learner takes a step
                 self.reserved_episodes += batch_size
-                first = self.prompt_cursor
-                self.prompt_cursor += rollout.prompts_per_batch
+                self.prompt_queue.hand_out(first, count)
                 self.rollouts.start(
-                    worker,
-                    first,
-                    rollout.prompts_per_batch,
-                    rollout.samples_per_prompt,
-                    self._carry_floor(),
+                    worker, first, count, rollout.samples_per_prompt, self._carry_floor()
                 )
 
     def _to_buffer(self, item: InFlight) -> None:
@@ -157,6 +154,8 @@ class TrainingDriver:
             num_episodes=item.generated.episodes - score.uniform_episodes,
             first_prompt_index=_first_prompt_index(item),
             batch_id=self.next_batch_id,
+            group_sizes=score.group_sizes,
+            group_prompts=score.group_prompts,
         )
         self.next_batch_id += 1
         reserved = item.num_episodes  # an agent trace may make more episodes, or none
@@ -257,6 +256,8 @@ class TrainingDriver:
         and starts the learner step; returns the step's ObjectRef."""
         for batch in taken.batches + taken.dropped:
             self.buffered.pop(batch.batch_id, None)
+        if taken.rest is not None:  # a batch split between this step and the next
+            self.buffered[taken.rest.batch_id] = taken.rest
         self.buffered_episodes -= sum(
             b.num_episodes for b in taken.batches + taken.dropped if not b.external
         )
@@ -318,17 +319,19 @@ class TrainingDriver:
         return self.evaluator.finish(pending)
 
     def save_checkpoint(self, publish: bool = True) -> Path:
-        """Saves a checkpoint; its prompt cursor is the first prompt not yet trained on,
-        so a resumed run regenerates whatever was buffered or in flight. Without
-        `publish` it stays staged (its staging directory is returned) until
-        `publish_staged`."""
+        """Saves a checkpoint. It records the prompt cursor (the next prompt never handed
+        out) and every prompt handed out and not yet trained on: in flight, carried in an
+        engine, buffered or in a step under way; a resumed run regenerates exactly those
+        first, and trains none twice. Without `publish` it stays staged (its staging
+        directory is returned) until `publish_staged`."""
         with self.clock.phase("checkpoint"):
-            pending = [item.first_prompt_index for item in self.rollouts.in_flight]
-            pending += [b.first_prompt_index for b in self.buffered.values() if not b.external]
-            pending += self.rollouts.carried.values()  # partial rollouts' running groups
-            cursor = min(pending, default=self.prompt_cursor)
+            pending = self.rollouts.open_prompts() | set(self.prompt_queue.replay)
+            held = list(self.buffered.values()) + self.training
+            pending.update(p for b in held if not b.external for p in b.group_prompts)
             run_dir = str(self.plan.run_dir)
-            ref = self.actors.learner.save_checkpoint.remote(run_dir, cursor, publish)
+            ref = self.actors.learner.save_checkpoint.remote(
+                run_dir, self.prompt_queue.cursor, publish, sorted(pending)
+            )
             return self.recovery.call("learner", ref, "save checkpoint")
 
     def publish_staged(self, version: int, keep: bool) -> Path | None:

@@ -3,12 +3,18 @@
 The buffer never looks inside a batch: it holds an opaque reference (a Ray ObjectRef
 wrapped in a list so Ray does not resolve it) plus the few numbers it needs to apply
 backpressure and the staleness rule. The learner resolves the references itself.
+
+A learner step never takes more than the episodes it asks for. A batch that would
+overfill a step (an agent batch, whose traces make a model call's episode each) is
+split between its groups: the step takes the groups that fit, the rest stay at the
+buffer's head for the next step, and each part's reference names its groups,
+`[ref, start, stop]` (rlray.cluster.calls.resolve_episodes reads them).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -23,6 +29,30 @@ class BufferedBatch:
     batch_id: int
     external: bool = False
     """Posted to the ingestion endpoint: off-policy by design, never dropped as stale."""
+    group_sizes: list[int] = field(default_factory=list)
+    """Episodes of each of its groups, in order; empty: the batch is never split."""
+    group_prompts: list[int] = field(default_factory=list)
+    """The prompt index of each of its groups (the driver's checkpoints name them)."""
+
+    def split(self, room: int, at_least_one: bool) -> tuple[BufferedBatch | None, BufferedBatch]:
+        """Returns (its first groups that total at most `room` episodes, or its first group
+        alone if `at_least_one` and even that one does not fit; None if no group is
+        taken, the rest)."""
+        taken, count = 0, 0
+        while taken < len(self.group_sizes) and count + self.group_sizes[taken] <= room:
+            count += self.group_sizes[taken]
+            taken += 1
+        if taken == 0 and at_least_one and self.group_sizes:
+            taken, count = 1, self.group_sizes[0]
+        if taken == 0:
+            return None, self
+        start, stop = self.ref[1:] if len(self.ref) == 3 else (0, len(self.group_sizes))
+        head = replace(self, ref=[self.ref[0], start, start + taken], num_episodes=count)
+        head.group_sizes, head.group_prompts = self.group_sizes[:taken], self.group_prompts[:taken]
+        rest = replace(self, ref=[self.ref[0], start + taken, stop])
+        rest.num_episodes, rest.group_sizes = self.num_episodes - count, self.group_sizes[taken:]
+        rest.group_prompts = self.group_prompts[taken:]
+        return head, rest
 
 
 @dataclass
@@ -35,6 +65,9 @@ class TakenBatches:
     """Episodes the buffer holds after the take."""
     dropped_stale_episodes: int = 0
     """Episodes dropped as stale so far, in all."""
+    rest: BufferedBatch | None = None
+    """What the buffer still holds of a batch this take split (the last of `batches` is
+    its first part)."""
 
 
 class EpisodeBuffer:
@@ -84,23 +117,32 @@ class EpisodeBuffer:
         return not batch.external and learner_version - batch.policy_version > self.max_staleness
 
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
-        """Drops stale batches, then removes and returns the oldest fresh batches that
-        total `num_episodes`, with every batch dropped since the last take; returns None
-        while too few fresh episodes are here."""
+        """Drops stale batches, then removes and returns the oldest fresh batches, at most
+        `num_episodes` in all (a batch that does not fit is split between its groups;
+        a first group bigger than the step is taken alone), with every batch dropped
+        since the last take; returns None while fewer fresh episodes are here."""
         self._drop_stale(learner_version)
-        count, batches = 0, []
-        for batch in self._batches:
-            if count >= num_episodes:
-                break
-            batches.append(batch)
-            count += batch.num_episodes
-        if count < num_episodes:
+        if self.depth_episodes < num_episodes:
             return None
-        for _ in batches:
-            self._batches.popleft()
+        count, batches, rest = 0, [], None
+        while self._batches and count < num_episodes:
+            batch = self._batches[0]
+            if count + batch.num_episodes <= num_episodes or not (batches or batch.group_sizes):
+                batches.append(self._batches.popleft())
+                count += batch.num_episodes
+                continue
+            if batch.group_sizes:  # else it cannot be split: the next step takes it
+                head, remaining = batch.split(num_episodes - count, at_least_one=not batches)
+                if head is not None:
+                    self._batches[0] = rest = remaining
+                    batches.append(head)
+                    count += head.num_episodes
+            break
         self.depth_episodes -= count
         dropped, self._dropped_unreported = self._dropped_unreported, []
-        return TakenBatches(batches, dropped, self.depth_episodes, self.dropped_stale_episodes)
+        taken = TakenBatches(batches, dropped, self.depth_episodes, self.dropped_stale_episodes)
+        taken.rest = rest
+        return taken
 
     def _drop_stale(self, learner_version: int) -> None:
         kept: deque[BufferedBatch] = deque()

@@ -18,7 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from rlray.core.episode import EPISODE_SCHEMA, Episode, Span
+from rlray.core.episode import EPISODE_SCHEMA, Episode, Span, from_table
+from rlray.core.groups import AGENT_TRACE_COLUMN
 
 
 def read(
@@ -82,6 +83,31 @@ def summarize(table: pa.Table) -> dict[str, Any]:
         "finish_reasons": dict(Counter(row["finish_reason"] for row in rows).most_common()),
         "reward_failures": dict(failures.most_common()),
     }
+
+
+def find_episode(table: pa.Table, episode_id: str) -> Episode | None:
+    """Returns the stored episode with that id, None if there is none. An agent trace's
+    later episodes get the trace's spans, which only its first episode stores."""
+    rows = table.filter(pc.equal(table["episode_id"], episode_id))
+    if rows.num_rows == 0:
+        return None
+    episode = from_table(rows)[0]
+    trace_id = episode.columns.get(AGENT_TRACE_COLUMN)
+    if trace_id is not None and not episode.spans:
+        sample = table.filter(
+            pc.and_(
+                pc.equal(table["run_id"], episode.run_id),
+                pc.and_(
+                    pc.equal(table["prompt_index"], episode.prompt_index),
+                    pc.equal(table["sample_index"], episode.sample_index),
+                ),
+            )
+        )
+        for other in from_table(sample):
+            if other.columns.get(AGENT_TRACE_COLUMN) == trace_id and other.spans:
+                episode.spans = other.spans
+                break
+    return episode
 
 
 def format_trace(episode: Episode) -> str:

@@ -474,12 +474,18 @@ class Learner:
         return tied_output_name(self.engine.policy)
 
     def save_checkpoint(
-        self, run_dir: str | Path, prompt_cursor: int, publish: bool = True
+        self,
+        run_dir: str | Path,
+        prompt_cursor: int,
+        publish: bool = True,
+        replay_prompts: list[int] | None = None,
     ) -> Path:
         """Writes checkpoints/step-NNNNNN (HF policy + tokenizer, critic, optimizer, RNG,
-        cursor) atomically and points checkpoints/latest at it; returns its path. In a
-        learner group every learner calls it and writes its shard of the optimizer state
-        (the run directory must be one that every learner sees); rank 0 the rest.
+        the prompt cursor and the prompts handed out but not trained on, which a resumed
+        run regenerates first: rlray.driver.prompt_queue) atomically and points
+        checkpoints/latest at it; returns its path. In a learner group every learner
+        calls it and writes its shard of the optimizer state (the run directory must be
+        one that every learner sees); rank 0 the rest.
 
         Without `publish` the checkpoint stays whole in its staging directory, which it
         returns, until `publish_staged` keeps or discards it: a checkpoint taken before
@@ -495,6 +501,7 @@ class Learner:
             "version": self.version,
             "step": self.version,
             "prompt_cursor": prompt_cursor,
+            "replay_prompts": list(replay_prompts or []),
             "reference_model": self.model_path,
         }
         if not writer:

@@ -20,9 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlray.config import RewardSpec
-from rlray.core.episode import MAX_ABS_REWARD, Episode, Score
+from rlray.core.episode import MAX_ABS_REWARD, Episode, Score, Span
 from rlray.core.evaluation import EvalEpisodes, EvalSample
-from rlray.core.groups import AGENT_TRACE_COLUMN, group_key, split_uniform_groups
+from rlray.core.groups import (
+    AGENT_TRACE_COLUMN,
+    group_key,
+    group_prompts,
+    group_sizes,
+    split_uniform_groups,
+    trace_spans,
+)
 from rlray.core.stats import ScoreStats
 from rlray.data.chat import MESSAGES_COLUMN, reward_inputs
 from rlray.rewards.loading import scheduled_weight
@@ -71,10 +78,13 @@ class RewardWorker:
         started = time.perf_counter()
         failures = dict.fromkeys((spec.name for spec in self.specs), 0)
         unscored = [e for e in episodes if not _posted(e)]
+        # Over the whole batch: a chunk may hold a trace's later episodes without its first.
+        spans = trace_spans(episodes)
+        traces = {e.episode_id: s for e, s in zip(episodes, spans, strict=True)}
         for start in range(0, len(unscored), self.batch_size):
             chunk = unscored[start : start + self.batch_size]
             for index, spec in enumerate(self.specs):
-                scores = self._component_scores(index, chunk)
+                scores = self._component_scores(index, chunk, traces)
                 details = scores.details or [None] * len(chunk)
                 for episode, value, error, detail in zip(
                     chunk, scores.values, scores.errors, details, strict=True
@@ -93,6 +103,7 @@ class RewardWorker:
         stats = ScoreStats(
             self.name, len(episodes), total, time.perf_counter() - started, failures, dropped
         )
+        stats.group_sizes, stats.group_prompts = group_sizes(episodes), group_prompts(episodes)
         return episodes, stats
 
     def score_and_split(
@@ -105,6 +116,7 @@ class RewardWorker:
         kept, uniform = split_uniform_groups(scored)
         stats.uniform_groups = len({group_key(e) for e in uniform})
         stats.uniform_episodes = len(uniform)
+        stats.group_sizes, stats.group_prompts = group_sizes(kept), group_prompts(kept)
         return kept, uniform, stats
 
     def evaluate(self, episodes: EvalEpisodes, step: int = 0) -> list[EvalSample]:
@@ -153,10 +165,12 @@ class RewardWorker:
         episode.reward = sum(weighted.values())
         return False
 
-    def _component_scores(self, index: int, episodes: list[Episode]) -> ComponentScores:
+    def _component_scores(
+        self, index: int, episodes: list[Episode], traces: dict[str, list[Span]]
+    ) -> ComponentScores:
         timeout_s = self.specs[index].timeout_s
         try:
-            raw = self.process.call(index, _call_arguments(episodes), timeout_s)
+            raw = self.process.call(index, _call_arguments(episodes, traces), timeout_s)
         except TimeoutError:
             message = f"timed out after {timeout_s:g} s"
             return ComponentScores([None] * len(episodes), [message] * len(episodes))
@@ -164,7 +178,7 @@ class RewardWorker:
             if len(episodes) == 1:
                 return ComponentScores([None], [str(err)])
             # Score one at a time so that only the episodes that make it fail fail.
-            parts = [self._component_scores(index, [episode]) for episode in episodes]
+            parts = [self._component_scores(index, [episode], traces) for episode in episodes]
             return ComponentScores(
                 [v for p in parts for v in p.values],
                 [e for p in parts for e in p.errors],
@@ -190,11 +204,12 @@ def _posted(episode: Episode) -> bool:
     return episode.reward is not None and AGENT_TRACE_COLUMN in episode.columns
 
 
-def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
+def _call_arguments(episodes: list[Episode], traces: dict[str, list[Span]]) -> dict[str, Any]:
     """Returns a reward call's arguments: prompts and completions (TRL's shape: a chat
     prompt's messages, and its completion as [{"role": "assistant", "content": text}]),
-    every data column, plus `spans`, each episode's trace (the reward process passes on
-    the columns the reward takes)."""
+    every data column, plus `spans`, each episode's trace from `traces` (by episode id; an
+    agent trace's for each of its episodes, though only the first stores it). The reward
+    process passes on the columns the reward takes."""
     prompts, completions = reward_inputs(episodes)
     # A chat prompt's messages arrive as its prompt, as in TRL, not as a column too.
     names = dict.fromkeys(key for e in episodes for key in e.columns if key != MESSAGES_COLUMN)
@@ -202,7 +217,7 @@ def _call_arguments(episodes: list[Episode]) -> dict[str, Any]:
     return {
         "prompts": prompts,
         "completions": completions,
-        "columns": {**columns, TRACE_COLUMN: [e.spans for e in episodes]},
+        "columns": {**columns, TRACE_COLUMN: [traces[e.episode_id] for e in episodes]},
     }
 
 

@@ -57,9 +57,9 @@ class _Carried(ABC):
 
     groups: dict[int, Any]
 
-    def carried_from(self) -> int | None:
-        """Returns the lowest prompt index of a group still held; None if none."""
-        return min(self.groups, default=None)
+    def carried_prompts(self) -> list[int]:
+        """Returns the prompt indices of the groups still held, lowest first."""
+        return sorted(self.groups)
 
     def take(self, started: list[int], may_leave: int, carry_floor: int | None) -> list[Any]:
         """Runs the engine until at most `may_leave` of the groups `started` (this call's

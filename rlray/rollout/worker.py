@@ -492,8 +492,9 @@ class RolloutWorker:
         seconds = time.perf_counter() - started
         tokens = sum(len(e.completion_token_ids) for e in episodes)
         stats = self._stats(episodes, tokens, seconds)
-        stats.first_prompt_index = min((g.prompt_index for g in groups), default=None)
-        stats.carried_from = self.partial.carried_from()
+        stats.returned_prompts = sorted({g.prompt_index for g in groups})
+        stats.first_prompt_index = min(stats.returned_prompts, default=None)
+        stats.carried_prompts = self.partial.carried_prompts()
         return episodes, stats
 
     def _carry_turns(
@@ -515,8 +516,9 @@ class RolloutWorker:
         seconds = time.perf_counter() - started
         tokens = sum(sum(e.completion_mask) for e in episodes)
         stats = self._stats(episodes, tokens, seconds, *tool_calls(episodes))
-        stats.first_prompt_index = min((g[0].prompt_index for g in groups), default=None)
-        stats.carried_from = self.partial_turns.carried_from()
+        stats.returned_prompts = sorted({g[0].prompt_index for g in groups})
+        stats.first_prompt_index = min(stats.returned_prompts, default=None)
+        stats.carried_prompts = self.partial_turns.carried_prompts()
         return episodes, stats
 
     def _trajectory_runner(self) -> TrajectoryRunner:
