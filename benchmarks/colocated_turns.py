@@ -10,8 +10,8 @@ Random-weight Qwen2 models of benchmarks/learner_dtype.py (100m: 138M parameters
 PPO update per step. For each turn it prints the learner's allocated memory, the device
 memory free to a waking engine (`torch.cuda.mem_get_info`: what vLLM's wake-up maps),
 and the seconds of the release (the engine's turn) and of the reclaim (the learner's).
-The engine itself (vLLM's sleep and wake-up) is not in this script: the GPU machine it
-ran on had no vLLM.
+The engine itself (vLLM's sleep and wake-up) is not in this script, so that it runs on
+GPU machines without vLLM.
 """
 
 from __future__ import annotations

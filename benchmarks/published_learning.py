@@ -7,7 +7,7 @@ every weight trained and with LoRA, over seeds; held-out accuracy against traini
     python benchmarks/published_learning.py --plot docs/smollm2-learning.png
 
 Each run is `python jobs/ppo.py --config examples/smollm2-arithmetic.yaml` with the
-variant's arguments and a seed, run one after another (2 cores: one thing at a time).
+variant's arguments and a seed, run one after another, so that runs never share cores.
 Its clock is training time: held-out evaluations are timed and subtracted, as in
 benchmarks/vs_trl.py, whose `published` mode reads the same full-training runs (the same
 --out and learning rate). Held-out accuracy is the share of the 200 held-out questions

@@ -165,7 +165,7 @@ def grpo_config(spec: dict, out: Path) -> GRPOConfig:
         max_steps=spec["steps"] * spec["epochs"] * per_generation,
         shuffle_dataset=False,  # the prompts in the order rlray sees them
         # TRL's default recomputes activations to save GPU memory; rlray's learner does
-        # not, and this machine's memory holds both sides without it.
+        # not, so neither does TRL here: both sides do the same work.
         gradient_checkpointing=False,
         bf16=False,
         use_cpu=True,

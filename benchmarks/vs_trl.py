@@ -75,8 +75,8 @@ PUBLISHED_JOB = REPO / "examples" / "smollm2-arithmetic.yaml"
 WALL_TIMES = (25, 50, 100, 150, 200)
 THRESHOLDS = (0.5, 0.6, 0.65)
 # name: (hidden, layers, episodes per step); heads of head_dim 64, MLP 4x hidden, the
-# 20-token character vocabulary. Fewer episodes per step as models grow, so that a 100M
-# step stays near a minute on 2 cores.
+# 20-token character vocabulary. Fewer episodes per step as models grow, so that a step
+# of the largest stays short enough to time several of on a CPU.
 SIZES = {"0.5M": (128, 2, 256), "10M": (256, 12, 64), "100M": (768, 14, 16)}
 
 

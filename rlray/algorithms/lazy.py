@@ -1,8 +1,8 @@
 """rl_math, loaded on its first use.
 
 The registries (estimators.py, losses.py) are read by the config's checks and --help in
-the driver, a process that never imports torch (about 300 MB it would hold all run
-long); their entries call rl_math only when a learner runs them.
+the driver, a process that never imports torch (memory it would hold all run long);
+their entries call rl_math only when a learner runs them.
 """
 
 from __future__ import annotations

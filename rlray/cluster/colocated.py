@@ -22,7 +22,7 @@ checkpoint, as after a learner's death.
 A learner group (learner.num_workers > 1) is a colocated actor per rank, each with its
 own engine, as veRL lays it out. vLLM's engine sets up torch.distributed's default group
 in its process unless one exists, and takes an existing one as data-parallel replicas
-of itself (its tensor-parallel groups of one rank each; measured, vLLM 0.32's CPU
+of itself (its tensor-parallel groups of one rank each; checked on vLLM 0.32's CPU
 build: each rank generates on its own, and the learners' collectives run on the same
 group). So in a group the learners join their group first and each builds its engine
 after (`setup`); every rank gathers the whole weights for its own engine.

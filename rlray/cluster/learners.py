@@ -50,7 +50,7 @@ class LearnerActor(_GroupMember):
     """The Learner, plus what needs Ray: it resolves episode references itself, so
     episode data goes object store -> learner and never through the driver. It holds the
     Learner rather than being one so that this module, which every actor and the driver
-    import, does not import torch (~140 MB of private memory in each process).
+    import, does not import torch (private memory each process would hold for nothing).
 
     One of `world_size` learners: its models are sharded across the group."""
 

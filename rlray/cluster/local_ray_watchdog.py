@@ -2,7 +2,7 @@
 
 Ray ties its GCS and raylet to the driver that started them (they die with it), and
 the actors' workers follow their raylet within seconds; but the dashboard and runtime-env
-agents poll for their raylet and outlive a SIGKILLed driver by about a minute. The
+agents poll for their raylet and outlive a SIGKILLed driver for a while. The
 driver starts this program just before `ray.init` with the read end of a pipe whose
 write end only the driver holds, and its own process id. Until the read returns (the
 driver has exited) it notes, every second, the processes below the driver (and their

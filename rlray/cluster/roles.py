@@ -296,7 +296,7 @@ class EpisodesActor(BufferActor, StoreActor):
     """A training run's buffer and store in one process: both hold only what the driver
     can give back (the buffer its batches' references, the store its journal on disk),
     so one restart restores both (rlray.driver.recovery), and a process of Python, Ray
-    and pyarrow (about 0.09 GiB) is saved. The store's calls run in a thread of their own
+    and pyarrow, with its memory, is saved. The store's calls run in a thread of their own
     (STORE_CALLS): a learner step's take never waits behind a batch being written; so
     do its scoring calls, if it scores (SCORING_CALLS)."""
 

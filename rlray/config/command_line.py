@@ -144,8 +144,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 @functools.cache
 def _shared_parser() -> jsonargparse.ArgumentParser:
     """build_parser() once per process: it reads the config classes' source for their
-    field docs (0.5 s a build, most of a bad command line's answer in-process), and a
-    parse leaves the parser as it was."""
+    field docs (most of the time a bad command line takes to be answered in-process), and
+    a parse leaves the parser as it was."""
     return build_parser()
 
 

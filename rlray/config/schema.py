@@ -245,7 +245,7 @@ class RolloutConfig:
     completion ends where one appears. Its text leaves the stop string out; its token ids
     keep every sampled token, so the learner trains on what was sampled. vLLM detokenizes
     at every step to find them; without any, a completion's text is decoded once, at its
-    end (faster: BENCHMARKS.md, "Rollout throughput")."""
+    end, which is faster (BENCHMARKS.md#rollout-throughput-against-plain-vllm)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a completion besides end-of-sequence (vLLM's
     SamplingParams.stop_token_ids), kept as its last token, e.g. a chat model's
@@ -257,15 +257,17 @@ class RolloutConfig:
     gpu_memory_utilization: float = positive(0.5, at_most=1.0, why="a share")
     """Share of GPU memory a GPU rollout worker's vLLM engine may take."""
     enforce_eager: bool = True
-    """Skip vLLM graph compilation (on CPU it costs ~20 s at start for no speed-up)."""
+    """Skip vLLM graph compilation. Keep it on CPU, where compiling lengthens every start
+    and does not speed generation up; on GPU false may generate faster after a longer
+    start."""
     cpu_matmul: CpuMatmul = "auto"
     """How vLLM's CPU build multiplies by its linear layers' weights. onednn (vLLM's
     own choice): each layer's weights packed into a oneDNN matmul, compiled for every
     batch size it meets and packed again at every weight load. torch: torch's matmul on
     the weights as loaded. auto: torch for models of under 16 MiB of weights, whose
-    batches meet new sizes after every load (the default job: loads a third faster,
-    0.06 GiB less, 1.0-1.26x the episodes/s), else onednn (BENCHMARKS.md, "vLLM's CPU
-    matmuls"). Ignored on GPU."""
+    batches meet new sizes after every load, where compiling and packing for oneDNN costs
+    more than its matmuls save; else onednn (BENCHMARKS.md#default-job). Ignored on
+    GPU."""
     cpus_per_worker: float = non_negative(1.0)
     """CPUs reserved per rollout actor."""
     gpus_per_worker: float = non_negative(0.0)
@@ -377,8 +379,8 @@ class RewardConfig:
     num_workers: int = non_negative(0)
     """Reward-scoring actors; rollout batches go to them in turn. 0 (the default): no
     actor of their own, the store's process scores beside its writes (one Python process
-    less, 0.07 GiB of the default job's peak); give rewards actors of their own when
-    scoring is heavy (model rewards, sandboxed code)."""
+    less, and its memory); give rewards actors of their own when scoring is heavy (model
+    rewards, sandboxed code)."""
     cpus_per_worker: float = non_negative(0.5)
     """CPUs reserved per reward actor (none when num_workers is 0)."""
     resources: dict[str, float] = non_negative(factory=dict)
@@ -396,8 +398,9 @@ class BufferConfig:
     max_staleness: int = non_negative(1)
     """Drop episodes made by a policy more than this many learner updates behind the
     learner. 0 is strictly on-policy; >= 1 lets generation overlap training, with the
-    rollout correction weighing stale tokens. The default 1 trained the default job in
-    27% less time to the same accuracy as 0 (61 against 84 s, 3 seeds, BENCHMARKS.md)."""
+    rollout correction weighing stale tokens. The default 1 reaches the same accuracy as 0
+    in less time, because the next batch is generated while the learner trains
+    (BENCHMARKS.md#default-job); set 0 for strictly on-policy updates."""
 
 
 @dataclass
@@ -407,7 +410,8 @@ class AlgorithmConfig:
     advantage: Advantage = "reinforce_pp"
     """Advantage estimator. Only those with a critic build one; the group estimators
     compare the rollout.samples_per_prompt samples of each prompt. The default,
-    reinforce_pp, learned fastest on the default task (BENCHMARKS.md)."""
+    reinforce_pp, learned fastest on the default task
+    (BENCHMARKS.md#algorithms-on-the-default-task)."""
     policy_loss: PolicyLoss = "ppo"
     """Policy loss: the ratio of the learner's policy to the one before the update,
     clipped to [1 - clip_low, 1 + clip_high], times the advantage."""
@@ -474,26 +478,26 @@ class LearnerConfig:
     epochs: int = positive(1)
     """Passes over each step's episodes. The default, one pass of one mini-batch (one
     update per step), takes the logprobs before the update from its own forward pass
-    (no pass of their own); chosen by measurement, BENCHMARKS.md "Default job"."""
+    (no pass of their own). More epochs (or mini-batches) take more updates from each
+    batch of episodes, each at the cost of another pass over it; on the default job one
+    update did as well per episode in less time (BENCHMARKS.md#default-job)."""
     minibatch_size: int = non_negative(0)
     """Episodes per optimizer update; 0: all of a step's episodes (one update per
     epoch)."""
     micro_batch_size: int | None = positive(None)
     """Episodes per forward/backward at most; gradients accumulate over a mini-batch.
     null: 64 (the mini-batch, if fewer), or on CPU with a token bound
-    (micro_batch_tokens) no bound but that one: the default task's step of 256 short
-    episodes then trains in 2 micro-batches rather than 4, in a sixth less time, its
-    learner holding 0.04 GiB more (BENCHMARKS.md "Default job")."""
+    (micro_batch_tokens) no bound but that one, so that short episodes fill fewer,
+    larger micro-batches (less time a step, a little more memory). Lower it when a
+    micro-batch does not fit the learner's memory."""
     micro_batch_tokens: int | None = non_negative(None)
     """Above 0, a forward/backward also holds at most this many tokens, padding included
     (rows x its longest prompt + longest completion); a longer episode runs alone. 0:
-    micro_batch_size episodes alone bound it. null: 2048 on CPU, 0 on GPUs (chosen by
-    measurement, BENCHMARKS.md "Default job": on CPU, micro-batches of about 2000 tokens
-    trained a 12.6M model's step of 64 x 272 tokens 1.7x as fast as one of 64 episodes,
-    and changed nothing on the default task, whose 64 episodes are fewer tokens; on an
-    H100 they trained a 138M model at a fifth of the speed of 64 such episodes at once).
-    Either way a micro-batch holds episodes of like lengths and computes no column that
-    all of them pad."""
+    micro_batch_size episodes alone bound it. null: 2048 on CPU, where a micro-batch of a
+    few thousand tokens fits the caches, and 0 on GPUs, where small micro-batches leave
+    the device idle (BENCHMARKS.md#learner-micro-batches-and-long-tails). Set it on a GPU
+    when long episodes would not fit its memory. Either way a micro-batch holds episodes
+    of like lengths and computes no column that all of them pad."""
     lr: float = positive(5e-5)
     """AdamW learning rate of the policy."""
     critic_lr: float = positive(1e-4)
@@ -502,15 +506,17 @@ class LearnerConfig:
     """Gradient clipping norm."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (less memory,
-    about a third more compute). It also runs every row's prompt, where a group's
-    samples would otherwise share one pass over it (the KV cache is off)."""
+    one more forward pass of compute); turn it on when a micro-batch's activations do
+    not fit. It also runs every row's prompt, where a group's samples would otherwise
+    share one pass over it (the KV cache is off)."""
     compile: bool = False
     """Compile each decoder layer of the learner's models with torch.compile (inductor):
-    on CPU a step of a 12.6M model took a fifth to a quarter less time (BENCHMARKS.md),
-    after about 10-30 s of compilation at the first step (and again at the first pass
-    without gradients). A model as small as the default's gains less than it costs.
-    One learner only (learner.num_workers 1). Compiled layers run every row's prompt,
-    where a group's samples would otherwise share one pass over it."""
+    fused kernels make each step faster, after a compilation at the first step (and again
+    at the first pass without gradients). Turn it on for long runs of models larger than
+    the default's, which gains less than the compilation costs
+    (BENCHMARKS.md#the-learner-on-a-gpu). One learner only (learner.num_workers 1).
+    Compiled layers run every row's prompt, where a group's samples would otherwise share
+    one pass over it."""
     sync_every: int = positive(1)
     """Publish weights to the rollout workers every this many learner steps."""
     eval_every: int = positive(10)
@@ -530,9 +536,9 @@ class LearnerConfig:
     """On CPU, disaggregated: the learner also trains on the cores of rollout workers on
     its node while they wait for weights (their batch done), one more torch thread per
     idle core, asked before each micro-batch; a worker takes its cores back at the
-    learner's next micro-batch, so give a step several (micro_batch_tokens). At 132M
-    parameters 1.12x the episodes/s, at 12.6M no change (BENCHMARKS.md). One learner
-    on CPU only."""
+    learner's next micro-batch, so give a step several (micro_batch_tokens). It pays
+    where the learner's step is long against generation (larger models); on small ones
+    it changes nothing. One learner on CPU only."""
     offload_optimizer: bool = False
     """With ray.placement colocated on GPUs: the optimizer's state (AdamW's moments,
     twice the trained weights' bytes) goes to host memory during each of the engine's
@@ -601,8 +607,8 @@ class EvalConfig:
     metrics.jsonl line is written after that step, and its step's checkpoint, taken
     before the verdict, is kept only if the evaluation is the best (or the step is a
     checkpoint's). false: every evaluation waits, as in the colocated placement. It
-    pays where the learner's step is long against generation; on the default job,
-    where rollout-0 hardly idles, neither gains nor costs (BENCHMARKS.md)."""
+    pays where the learner's step is long against generation; on a job whose rollout-0
+    hardly idles, such as the default, it neither gains nor costs."""
 
 
 @dataclass

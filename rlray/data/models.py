@@ -222,7 +222,7 @@ def prompt_token_counts(path: str, prompts: list[Prompt]) -> list[int]:
     """Returns each prompt's length in tokens as the model's tokenizer (vLLM's) counts it
     (a chat prompt's rendering, rlray.chat.render_prompt: what vLLM is given).
 
-    Counted in a child process: importing transformers imports torch, ~300 MB that the
+    Counted in a child process: importing transformers imports torch, memory that the
     driver would otherwise hold for the whole run. (The tokenizer file alone is not
     enough: transformers may rebuild a tokenizer by model type, e.g. Qwen2's byte-level
     pre-tokenizer, and count differently.) Raises ConfigError as load_tokenizer does."""
@@ -244,7 +244,7 @@ def read_prompts(path: str, prompt_lists: list[list[Prompt]]) -> list[list[Promp
     """Returns how the model's tokenizer reads each prompt of each list, all in one child
     process (see prompt_token_counts). Raises ConfigError as load_tokenizer does.
 
-    The child takes ~7 s (most of it importing transformers), so the readings of a local
+    The child is slow to start (importing transformers), so the readings of a local
     model are cached under a key of everything they depend on: the prompts, the model
     directory's files other than weights, and the transformers version."""
     cached = _readings_cache_file(path, prompt_lists)

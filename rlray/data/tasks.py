@@ -96,9 +96,9 @@ class CountdownTask(OperandTask):
 def countdown(a: int, k: int) -> str:
     """Returns the countdown from a in steps of k, a itself left out, each number in two
     digits: "18 13 08 03" for 23, 5. Two digits each keep every digit three tokens after
-    the one it is computed from, which a 2-layer model learns (measured: with numbers
-    written as they are, 0.05 held-out accuracy after 300 warm-start steps; with two
-    digits, 0.2 after 300 and 0.54 after 400)."""
+    the one it is computed from, a fixed distance that a 2-layer model learns; numbers
+    written as they are put it at varying distances, which its warm start learned far
+    more slowly."""
     return " ".join(f"{n:02d}" for n in range(a - k, -1, -k))
 
 

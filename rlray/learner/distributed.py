@@ -7,7 +7,7 @@ same object-store references) and computes the same split, so they agree on it w
 talking. Each learner's loss is its rows' share of the whole mini-batch's loss (divided
 by the mini-batch's token count over every learner), so the mini-batch's gradient is
 the SUM of the learners' gradients, not their mean: every sharded module's reduction
-is set to a plain sum (FSDP2 divides by the group size by default; measured on torch
+is set to a plain sum (FSDP2 divides by the group size by default; checked on torch
 2.13 with gloo, where pytorch#162338 reported a sum instead, it does divide). FSDP2
 gathers each layer's parameters for every forward and backward pass, so every learner
 must run the same number of micro-batches: one with no rows of its own runs a row with
@@ -116,7 +116,7 @@ def reshard(model: nn.Module) -> None:
     """Frees the whole parameters a sharded model's forward pass left gathered. FSDP2
     keeps the root's (embeddings, head, norms) whole after a forward pass for the
     backward pass to come; after a pass without one they stay so, and the next backward
-    pass fails to free them once anything else has looked at them (measured: a DPO
+    pass fails to free them once anything else has looked at them (seen after a DPO
     evaluation, then publishing the weights, then a step: "Trying to resize storage
     that is not resizable"). Nothing to do for a model that is not sharded."""
     for module in model.modules():

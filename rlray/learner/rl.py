@@ -221,9 +221,9 @@ class Learner:
         update's own forward pass instead of a pass of its own: where they are the same
         numbers, with one update per step (one epoch, one mini-batch) and nothing else
         computed from them before it (no critic, no reference), on one learner. A pass
-        over the batch saved: a quarter of the step's compute (forward, backward,
-        forward). The gradient is the same: the ratio is exactly 1, as it is to float
-        precision with a pass of its own."""
+        over the batch saved: the step is a forward and a backward pass, without a
+        forward pass before them. The gradient is the same: the ratio is exactly 1, as it
+        is to float precision with a pass of its own."""
         whole = self.learner.minibatch_size in (0, None) or self.learner.minibatch_size >= episodes
         one_update = self.learner.epochs == 1 and whole
         algorithm = self.algorithm

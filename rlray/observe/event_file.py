@@ -8,8 +8,8 @@ An event file is a sequence of TFRecords, each a serialized `Event` proto:
     uint32 masked CRC-32C of the data
 
 tensorboard's own writer reaches its file through a TensorFlow stub whose file layer
-imports boto3 and fsspec (for s3:// and gs:// paths): 11 MiB of the driver's memory
-for a local file of a few kilobytes. The protos themselves are light.
+imports boto3 and fsspec (for s3:// and gs:// paths): memory the driver would hold all
+run for a local file of a few kilobytes. The protos themselves are light.
 """
 
 from __future__ import annotations

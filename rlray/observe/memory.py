@@ -117,8 +117,8 @@ class MemoryMonitor:
     look, so actors that start later are followed); `names` names some of them (the
     driver, the actors), the rest go by their own names.
 
-    PSS costs the kernel a walk of every mapping (about 50 ms of CPU for a default job's
-    14 processes, on cores the run needs), so every `interval_s` the monitor reads only
+    PSS costs the kernel a walk of every mapping of every process (CPU time taken from
+    cores the run needs), so every `interval_s` the monitor reads only
     the summed resident set size, and measures PSS when that sum is 1% above the largest
     it was at a measurement, or `refresh_s` after the last. A peak in PSS is a peak in
     resident memory too, so it is caught unless the run's resident total stayed within

@@ -174,7 +174,7 @@ class Trackers:
 class EventWriter:
     """TensorBoard event files of scalars and text, made of tensorboard's protos
     (rlray.observe.event_file): torch's SummaryWriter would import torch into the driver
-    (~150 MB held for the whole run) for the same records."""
+    (its memory held for the whole run) for the same records."""
 
     def __init__(self, log_dir: Path):
         self.file = EventFile(log_dir)

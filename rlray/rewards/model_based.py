@@ -7,7 +7,7 @@
   directory is read as that library reads one whose modules are an HF encoder, a
   pooling (mean, CLS or max over tokens) and an optional normalisation (`SentenceEncoder`),
   with transformers alone: the sentence-transformers package would bring scikit-learn,
-  which transformers then imports into every torch process of a run (~80 MiB each).
+  which transformers then imports into every torch process of a run, for nothing.
 - `ClassifierReward`: one label's output of a local HF sequence-classification reward
   model on (prompt, completion): its logit (unbounded) or its probability in [0, 1]
   (softmax over the labels; sigmoid for single-output and multi-label models). It

@@ -37,7 +37,8 @@ class RewardCallError(RuntimeError):
 
 def reward_caller(specs: list[RewardSpec]) -> RewardProcess | InProcessRewards:
     """Returns what calls these rewards: this process when each is a built-in that needs
-    no child (loading.IN_PROCESS_REWARDS), else a child process (0.03 GiB)."""
+    no child (loading.IN_PROCESS_REWARDS), else a child process (whose memory is spared
+    where no reward needs one)."""
     if all(spec.name in IN_PROCESS_REWARDS for spec in specs):
         return InProcessRewards(specs)
     return RewardProcess(specs)

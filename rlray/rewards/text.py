@@ -284,7 +284,7 @@ def bleu(
 
     tokenize is sacrebleu's tokenizer name: "13a" by default, "zh" or "char" for Chinese.
     """
-    # sacrebleu (and lxml, 5 MiB) loads only in the reward process of a run that scores
+    # sacrebleu (and lxml) loads only in the reward process of a run that scores
     # BLEU or chrF, not in every process that imports the text rewards
     from sacrebleu.metrics import BLEU
 

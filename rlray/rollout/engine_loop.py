@@ -178,8 +178,9 @@ class EngineLoop:
         """Returns after one engine step, whose finished outputs are kept for their
         sessions. If another caller is stepping, returns instead once one of
         `waiting_for` finished or nobody steps on: a waiting caller is woken for its
-        own outputs or to step next, not at every step (32 agents' calls each woken at
-        every step cost the rollout process a tenth of its CPU). None if one of
+        own outputs or to step next, not at every step (with many agents' calls, waking
+        each at every step spends the rollout process's CPU on wake-ups that find
+        nothing). None if one of
         `waiting_for` finished meanwhile."""
         with self._free:
             if self._stepping:
@@ -288,7 +289,7 @@ class Session:
             # Other callers' threads get the GIL now: between two steps they add their
             # requests (to the next step) or take their outputs. Without it a caller
             # that steps holds the GIL across steps, and calls made one at a time (an
-            # agent's) run one at a time (measured: 1 request a step of 32 callers).
+            # agent's) run one at a time: one request a step, however many callers.
             time.sleep(0)
             finished = self.loop._take(self.pending)
         for output in finished:

@@ -21,8 +21,8 @@ def stop_settings(rollout: RolloutConfig) -> dict[str, list]:
 def request_params(**settings: Any) -> Any:
     """Returns vLLM's SamplingParams of `settings` for one request, which alone uses them:
     vLLM then copies them shallowly where it would deep-copy them for every request, as
-    its own OpenAI server asks (BENCHMARKS.md, "Rollout throughput"). Called in rollout
-    workers only, once vllm_env is set."""
+    its own OpenAI server asks (BENCHMARKS.md#rollout-throughput-against-plain-vllm).
+    Called in rollout workers only, once vllm_env is set."""
     from vllm.sampling_params import SamplingParams  # not vllm's lazy top-level name
 
     return SamplingParams(**settings, skip_clone=True)

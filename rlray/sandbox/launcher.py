@@ -8,7 +8,7 @@ threads). It imports only the standard library: `-S` leaves site-packages out. W
 its stdin, stdout and stderr as file descriptors) gets a forked child, answered with the
 child's pid and a pidfd of it; the exit status of each child follows once it is reaped,
 and `stop` requests kill a run. Without `socket` it makes one run itself (the isolation
-probe). Forking a warm interpreter costs a few ms; starting one, with its imports, tens.
+probe). Forking a warm interpreter spares each run the start of one and its imports.
 The server never holds a run's source or output (a child reads its source from its own
 stdin), so a child finds nothing in memory of any other run.
 

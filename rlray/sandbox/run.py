@@ -40,7 +40,8 @@ keyrings, io_uring) would still be ours. The setup runs in a sandbox server
 (`launcher.py`, rlray/sandbox/server.py): a fresh single-threaded interpreter that the
 caller starts once, never a fork of the caller, which may be a Ray actor with threads. It
 forks each run, which isolates itself and runs the source in that warm interpreter:
-cheaper than starting an interpreter a run (BENCHMARKS.md, the code tests' section).
+cheaper than starting an interpreter a run, which would import its modules again
+(BENCHMARKS.md#code-tests-against-humanevals-official-harness).
 
 Where namespaces are refused (a container without CAP_SYS_ADMIN, a kernel without user
 namespaces, mount_setattr or pivot_root), or its own root cannot be built (an

@@ -74,12 +74,10 @@ def merged_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     out. The merge is computed out of place: merging into the layer and unmerging after
     would leave rounding errors in the base weights, which are the KL reference."""
     # Merged here rather than sent to vLLM's LoRA support (enable_lora + a LoRARequest
-    # per version), by measurement on 2 CPU cores: the merge costs one B @ A per adapted
-    # layer per sync (+0.23 s to publish a 138M model in bfloat16, 0.33 s against 0.10 s),
-    # while vLLM's LoRA path slows every generate call (256 prompts x 6 tokens of the
-    # tiny model: 0.28 s against 0.17 s merged). It also keeps the rollout side as it is
-    # (names, shapes, reload_weights). The adapters alone would be a smaller message
-    # (6.5 MB against 276 MB in bfloat16 for 138M), which could win across slow links.
+    # per version): the merge costs one B @ A per adapted layer per sync, while vLLM's
+    # LoRA path adds the adapters' matmuls to every token of every generate call. It also
+    # keeps the rollout side as it is (names, shapes, reload_weights). The adapters alone
+    # would be a much smaller message, which could win across slow links.
     for name, param, lora_layer in _published_parameters(model):
         if lora_layer is None:
             # A learner group's parameter is a shard (a DTensor): gathered here, one
@@ -142,7 +140,8 @@ def weights_for_vllm(
     Where vLLM does have the module (most models), the tied weight must be sent under
     that name: on CPU the module keeps a packed copy for its GEMM that is rebuilt only
     when a weight is loaded under its own name (reload_weights unties them while
-    loading); without it logprobs drift silently (a gap of 3.35 measured on Qwen2)."""
+    loading); without it the engine computes logits with the stale packed copy, and its
+    logprobs drift from the learner's silently."""
     if tied_output is None:
         return weights
     module = tied_output.rpartition(".")[0]

@@ -73,7 +73,9 @@ def code_tests(
         )
         return _score(verdicts, all_or_nothing)
 
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two cores on the reference machine
+    # Two programs at once, each a sandboxed process of its own: more would compete with
+    # the run's other processes for the cores.
+    with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(score, completions, *columns))
 
 
