@@ -33,6 +33,8 @@ from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.core.idle_cores import IdleCores
+from rlray.core.waiting import Durations, timed_wait
+from rlray.data.cache import cache_dir
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
 
@@ -447,23 +449,33 @@ def _learner_kwargs(config: Config, device: str, checkpoint: str | None) -> dict
     }
 
 
+START_UP_GUESS_S = 60.0
+"""The countdown's estimate of the actors' start-up where this machine has not started
+the same actors before (after that, it counts down from their last start-up)."""
+
+
 def _set_up(actors: Actors, config: Config, timeout_s: float) -> None:
     """Waits, with a timeout each, until every actor is up and every learner has joined
-    its group and built its Learner. The learners build while the other actors start
+    its group and built its Learner, under a countdown (by the last start-up of the same
+    actors and model on this machine). The learners build while the other actors start
     (on CPU a rollout worker's engine takes one core for 10-15 s, mostly importing vLLM,
     and a learner's build 5-7 s of another: a 1-step run reached its first evaluation
     6-8 s sooner), except where both roles are on GPUs: an engine measures its GPU's
     free memory as it starts, and a learner that shares the GPU must not hold part of
     it yet."""
-    group = actors.learner
-    overlap = learners_build_while_engines_start(config)
-    setups = _start_setting_up(group, timeout_s) if group is not None and overlap else []
-    for name, handle in actors.all():
-        wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
-    if group is not None and not overlap:
-        setups = _start_setting_up(group, timeout_s)
-    for name, ref in setups:
-        wait_for(ref, name, "start-up", timeout_s)
+    names = ", ".join(name for name, _ in actors.all())
+    key = f"start-up {config.model.path} {config.ray.placement}: {names}"
+    waits = Durations.in_folder(cache_dir())
+    with timed_wait("starting the actors", key, waits, START_UP_GUESS_S):
+        group = actors.learner
+        overlap = learners_build_while_engines_start(config)
+        setups = _start_setting_up(group, timeout_s) if group is not None and overlap else []
+        for name, handle in actors.all():
+            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
+        if group is not None and not overlap:
+            setups = _start_setting_up(group, timeout_s)
+        for name, ref in setups:
+            wait_for(ref, name, "start-up", timeout_s)
 
 
 def learners_build_while_engines_start(config: Config) -> bool:
