@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
-from rlray.cluster.start import connect, start_actors, start_agent
+from rlray.cluster.connection import connect
+from rlray.cluster.start import start_actors, start_agent
 from rlray.config import ConfigError, validate
 from rlray.config.command_line import parse_command_line
 from rlray.data.prompts import FilePrompts

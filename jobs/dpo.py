@@ -27,7 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
-from rlray.cluster.start import connect, required_cpus, start_preference_learners
+from rlray.cluster.connection import connect, required_cpus
+from rlray.cluster.start import start_preference_learners
 from rlray.config import Config, ConfigError, validate
 from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path

@@ -35,13 +35,8 @@ for _signum in (signal.SIGINT, signal.SIGTERM):
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.cluster.calls import ActorFailure
-from rlray.cluster.start import (
-    connect,
-    required_cpus,
-    start_actors,
-    start_agent,
-    start_ingest,
-)
+from rlray.cluster.connection import connect, required_cpus
+from rlray.cluster.start import start_actors, start_agent, start_ingest
 from rlray.config import ConfigError, validate
 from rlray.config.command_line import parse_command_line
 from rlray.core.interrupts import stop_at_once_on_signals, stop_on_sigterm

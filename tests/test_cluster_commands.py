@@ -91,7 +91,7 @@ def test_readme_local_cluster_lines_work_in_a_fresh_shell_after_a_local_run(tmp_
     home = fresh_home(tmp_path / "home")
     (tmp_path / "readme-lines.sh").write_text("\n".join(lines) + "\n")
     # What a local run does with Ray (a whole run here cost the suite half a minute).
-    start_ray = "from rlray.cluster.start import connect; connect('', 1)"
+    start_ray = "from rlray.cluster.connection import connect; connect('', 1)"
     local_run = shlex.join([sys.executable, "-c", start_ray])
     script = f"""
 cd {shlex.quote(str(REPO))}

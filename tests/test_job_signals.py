@@ -66,7 +66,7 @@ def test_a_sigterm_while_ray_starts_reaches_the_callers_handler_not_rays():
     # job's: stop as Ctrl-C does) must be the one a SIGTERM reaches.
     script = """
 import os, signal, sys, threading
-from rlray.cluster.start import connect
+from rlray.cluster.connection import connect
 
 def stop(signum, frame):
     raise KeyboardInterrupt

@@ -230,7 +230,8 @@ def test_the_driver_and_small_actors_do_not_import_torch(tmp_path):
     # torch and transformers would add ~300 MB of private memory to each of them. The
     # driver also writes TensorBoard files all run long.
     code = (
-        "import sys, pathlib, rlray.cluster.start, rlray.driver.training; "
+        "import sys, pathlib, rlray.cluster.connection, rlray.cluster.start, "
+        "rlray.driver.training; "
         "from rlray.observe.tracking import Trackers; "
         f"Trackers(pathlib.Path({str(tmp_path)!r}), {{}}, 'x', False).close(); "
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"

@@ -4,26 +4,19 @@ them, each waited for with a timeout; where each runs, and how to stop them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray._private.log_monitor import LogMonitor, is_proc_alive
-from ray._raylet import GcsClient
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlray.agent.gateway import CallLimits
-from rlray.cluster import local_ray_watchdog
 from rlray.cluster.calls import ActorFailure, wait_for
 from rlray.cluster.colocated import ColocatedActor
 from rlray.cluster.endpoints import AgentActor, IngestActor
@@ -40,7 +33,8 @@ from rlray.cluster.serving import endpoint_options, free_port
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.core.idle_cores import IdleCores
-from rlray.core.interrupts import deliver, interrupts_held
+from rlray.core.waiting import Durations, timed_wait
+from rlray.data.cache import cache_dir
 from rlray.data.models import model_limits
 from rlray.rollout.worker import vllm_env
 
@@ -177,148 +171,6 @@ def _wait_until_names_free(names: list[str], timeout_s: float) -> None:
             except ValueError:
                 break
             time.sleep(0.2)
-
-
-def connect(address: str, num_cpus: int) -> None:
-    """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
-    starts a new single-node Ray for this job, even if a `ray start` cluster runs here.
-
-    The caller's SIGINT and SIGTERM handlers stay: ray.init installs a SIGTERM handler
-    that exits at once, and a signal that arrives while it runs reaches the caller's
-    handler when it returns. Held in Python, not blocked in the kernel: the processes
-    a local Ray starts would inherit a blocked SIGTERM and ignore the one Ray's shutdown
-    sends them, each then killed only after a second's wait (5 s at every run's end)."""
-    if ray.is_initialized():
-        return
-    # The driver's core worker would print a native stack dump on SIGTERM, which stops a
-    # run as Ctrl-C does (its actors' workers keep their crash reports).
-    ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
-    target = address or os.environ.get("RAY_ADDRESS", "")
-    try:
-        with interrupts_held():  # puts the caller's handlers back over ray.init's
-            _init(target, num_cpus)
-    except SystemExit as stopped:  # ray.init's own SIGTERM handler
-        if stopped.code != signal.SIGTERM:
-            raise
-        deliver(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
-        raise
-
-
-def _init(target: str, num_cpus: int) -> None:
-    if target:
-        _send_auth_token_if_any()
-        ray.init(address=target)
-        return
-    # Before ray.init: a signal that stops the job while Ray starts leaves nothing either.
-    _end_local_ray_with_this_process()
-    with _without_unused_head_processes(), _in_a_process_group_of_their_own():
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            logging_level=logging.WARNING,  # not "Started a local Ray instance"
-        )
-    _watch_actor_output_in_this_process()
-
-
-@contextlib.contextmanager
-def _without_unused_head_processes() -> Iterator[None]:
-    """Starts a job's own Ray without three head processes: the autoscaler's monitor
-    (one node, nothing to scale) and, the dashboard being off, the API server, which then
-    loads only Ray's usage-stats module, it never uses (together 0.12 GiB of the default
-    job's peak and 2.5 s of its start and stop, measured); the log monitor, which brings
-    the actors' output to the console, runs in this process instead
-    (_watch_actor_output_in_this_process). ray.init has no parameter for any of them (Ray
-    2.60 keeps them in its Node class), so they are skipped for this one call. The
-    metrics export (the dashboard agent) stays."""
-    node = ray._private.node.Node
-    saved = node.start_monitor, node.start_api_server, node.start_log_monitor
-    node.start_monitor = lambda self: None
-    node.start_api_server = lambda self, **_: None
-    node.start_log_monitor = lambda self: None
-    try:
-        yield
-    finally:
-        node.start_monitor, node.start_api_server, node.start_log_monitor = saved
-
-
-@contextlib.contextmanager
-def _in_a_process_group_of_their_own() -> Iterator[None]:
-    """Starts the job's own Ray (its GCS, its raylet and, below the raylet, every actor's
-    worker) outside the driver's process group. `timeout` and `kill -- -PGID` signal a
-    whole group: a SIGTERM that reached the raylet too stopped it
-    while the driver was still sending the episodes in flight to the store, and the
-    driver's core worker then exits the process (status 1, those episodes lost) at its
-    first call to the raylet. Out of the group, the SIGTERM reaches only the driver, which
-    stops as on Ctrl-C and then ends its Ray (and local_ray_watchdog.py, should the
-    driver be killed outright). Ray's processes block SIGINT already: a terminal's
-    Ctrl-C is the driver's alone either way. ray.init has no parameter for this (Ray 2.60
-    starts each process through one Popen subclass), so that class is swapped for this
-    one call."""
-    services = ray._private.services
-    original = services.ConsolePopen
-
-    class OwnGroupPopen(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, process_group=0, **kwargs)
-
-    services.ConsolePopen = OwnGroupPopen
-    try:
-        yield
-    finally:
-        services.ConsolePopen = original
-
-
-def _watch_actor_output_in_this_process() -> None:
-    """Runs Ray's log monitor, which sends new lines of the actors' log files to the
-    driver's console, in a thread of the driver: a process of its own held 0.05 GiB of
-    the default job's peak for a loop that reads files, and the driver has every module
-    it needs loaded already. It stops with the local Ray."""
-    node = ray._private.worker.global_worker.node
-    gcs = GcsClient(address=node.gcs_address)
-    logs = node.get_logs_dir_path()
-    address = node.gcs_address
-    monitor = LogMonitor(node.node_ip_address, logs, gcs, is_proc_alive, gcs_address=address)
-
-    def watch() -> None:
-        with contextlib.suppress(Exception):  # the local Ray is gone: nothing to send
-            monitor.run()
-
-    threading.Thread(target=watch, name="ray-log-monitor", daemon=True).start()
-
-
-def _end_local_ray_with_this_process() -> None:
-    """Starts local_ray_watchdog.py over the processes this process starts (the local
-    Ray's), so that none of them outlives it (see there)."""
-    read_end, _ = os.pipe()  # the write end stays open, unshared, while this process lives
-    subprocess.Popen(
-        [sys.executable, local_ray_watchdog.__file__, str(read_end), str(os.getpid())],
-        pass_fds=(read_end,),
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    os.close(read_end)
-
-
-def _send_auth_token_if_any() -> None:
-    # `ray start` turns token authentication on when ~/.ray/auth_token exists, but a
-    # client joining with ray.init(address=...) sends the token only in token mode
-    # (Ray 2.60): without this, joining fails with "InvalidAuthToken". This is what
-    # `ray start` itself calls; it also refreshes Ray's cached config.
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
-
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def required_cpus(config: Config) -> float:
-    """Returns the logical CPUs the run's actors reserve."""
-    return (
-        config.rollout.num_workers * config.rollout.cpus_per_worker
-        + config.reward.num_workers * config.reward.cpus_per_worker
-        + config.learner.num_workers * config.learner.cpus
-    )
 
 
 def start_actors(
@@ -597,23 +449,33 @@ def _learner_kwargs(config: Config, device: str, checkpoint: str | None) -> dict
     }
 
 
+START_UP_GUESS_S = 60.0
+"""The countdown's estimate of the actors' start-up where this machine has not started
+the same actors before (after that, it counts down from their last start-up)."""
+
+
 def _set_up(actors: Actors, config: Config, timeout_s: float) -> None:
     """Waits, with a timeout each, until every actor is up and every learner has joined
-    its group and built its Learner. The learners build while the other actors start
+    its group and built its Learner, under a countdown (by the last start-up of the same
+    actors and model on this machine). The learners build while the other actors start
     (on CPU a rollout worker's engine takes one core for 10-15 s, mostly importing vLLM,
     and a learner's build 5-7 s of another: a 1-step run reached its first evaluation
     6-8 s sooner), except where both roles are on GPUs: an engine measures its GPU's
     free memory as it starts, and a learner that shares the GPU must not hold part of
     it yet."""
-    group = actors.learner
-    overlap = learners_build_while_engines_start(config)
-    setups = _start_setting_up(group, timeout_s) if group is not None and overlap else []
-    for name, handle in actors.all():
-        wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
-    if group is not None and not overlap:
-        setups = _start_setting_up(group, timeout_s)
-    for name, ref in setups:
-        wait_for(ref, name, "start-up", timeout_s)
+    names = ", ".join(name for name, _ in actors.all())
+    key = f"start-up {config.model.path} {config.ray.placement}: {names}"
+    waits = Durations.in_folder(cache_dir())
+    with timed_wait("starting the actors", key, waits, START_UP_GUESS_S):
+        group = actors.learner
+        overlap = learners_build_while_engines_start(config)
+        setups = _start_setting_up(group, timeout_s) if group is not None and overlap else []
+        for name, handle in actors.all():
+            wait_for(handle.__ray_ready__.remote(), name, "start-up", timeout_s)
+        if group is not None and not overlap:
+            setups = _start_setting_up(group, timeout_s)
+        for name, ref in setups:
+            wait_for(ref, name, "start-up", timeout_s)
 
 
 def learners_build_while_engines_start(config: Config) -> bool:

@@ -27,7 +27,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlray.config import ConfigError
+from rlray.core.waiting import Durations, timed_wait
 from rlray.data.cache import cache_dir, file_lock
+
+BUILD_GUESS_S = 60.0
+"""The countdown's estimate of a conversion on a machine that has converted none (after
+one, it counts down from the last one's duration)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,11 @@ def _build(model: PackagedModel, gguf: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f"{model.name}-", dir=target.parent))
     try:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+        waits = Durations.in_folder(cache_dir())
+        with (
+            timed_wait(f"building {model.name}", f"build {model.name}", waits, BUILD_GUESS_S),
+            ProcessPoolExecutor(max_workers=1, mp_context=context) as child,
+        ):
             child.submit(convert_gguf, str(gguf), str(staging), asdict(model)).result()
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)

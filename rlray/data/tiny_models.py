@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlray.core.prompt import PromptRow
+from rlray.core.waiting import Durations, timed_wait
 from rlray.data.cache import cache_dir, file_lock
 from rlray.data.calculator import demonstration
 from rlray.data.tasks import COUNTDOWN, MULTIPLICATION, TaskPrompts, addition
@@ -44,6 +45,10 @@ CHAR_CHAT_TEMPLATE = (
 
 Pieces = list[tuple[str, bool]]
 """A demonstration after its prompt: (text, trained on) pieces; "<eos>" is the token."""
+
+BUILD_GUESS_S = 120.0
+"""The countdown's estimate of a build on a machine that has built none (after one, it
+counts down from the last build's duration)."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,9 @@ def tiny_model(model: TinyModel) -> Path:
                 f"building the embedded {model.name} model in {target} (first use only)", flush=True
             )
             staging = Path(tempfile.mkdtemp(prefix="tiny-", dir=target.parent))
-            _build(model, staging)
+            waits = Durations.in_folder(cache_dir())
+            with timed_wait(f"building {model.name}", f"build {model.name}", waits, BUILD_GUESS_S):
+                _build(model, staging)
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)
     return target

@@ -13,11 +13,7 @@ import time
 from typing import Any, TextIO
 
 from rlray.core.stats import EvalResult
-
-
-def _duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(seconds), 60)
-    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+from rlray.core.waiting import duration
 
 
 class Progress:
@@ -78,7 +74,7 @@ class Progress:
         return (
             f"step {step:>4}/{self.total_steps}  reward {record['reward_mean']:.3f}  "
             f"acc {accuracy}  {kl}"
-            f"eps/s {self.episodes / elapsed:5.1f}  eta {_duration(eta)}"
+            f"eps/s {self.episodes / elapsed:5.1f}  eta {duration(eta)}"
         )
 
     def _print_line(self, line: str) -> None:
