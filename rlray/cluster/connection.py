@@ -34,7 +34,7 @@ def connect(address: str, num_cpus: int) -> None:
     that exits at once, and a signal that arrives while it runs reaches the caller's
     handler when it returns. Held in Python, not blocked in the kernel: the processes
     a local Ray starts would inherit a blocked SIGTERM and ignore the one Ray's shutdown
-    sends them, each then killed only after a second's wait (5 s at every run's end)."""
+    sends them, each then killed only after a wait (added to every run's end)."""
     if ray.is_initialized():
         return
     # The driver's core worker would print a native stack dump on SIGTERM, which stops a
@@ -72,8 +72,8 @@ def _init(target: str, num_cpus: int) -> None:
 def _without_unused_head_processes() -> Iterator[None]:
     """Starts a job's own Ray without three head processes: the autoscaler's monitor
     (one node, nothing to scale) and, the dashboard being off, the API server, which then
-    loads only Ray's usage-stats module, it never uses (together 0.12 GiB of the default
-    job's peak and 2.5 s of its start and stop, measured); the log monitor, which brings
+    loads only Ray's usage-stats module, it never uses (memory held all run, and time at
+    its start and stop); the log monitor, which brings
     the actors' output to the console, runs in this process instead
     (_watch_actor_output_in_this_process). ray.init has no parameter for any of them (Ray
     2.60 keeps them in its Node class), so they are skipped for this one call. The
@@ -118,9 +118,9 @@ def _in_a_process_group_of_their_own() -> Iterator[None]:
 
 def _watch_actor_output_in_this_process() -> None:
     """Runs Ray's log monitor, which sends new lines of the actors' log files to the
-    driver's console, in a thread of the driver: a process of its own held 0.05 GiB of
-    the default job's peak for a loop that reads files, and the driver has every module
-    it needs loaded already. It stops with the local Ray."""
+    driver's console, in a thread of the driver: a process of its own would hold its own
+    memory for a loop that reads files, and the driver has every module it needs loaded
+    already. It stops with the local Ray."""
     node = ray._private.worker.global_worker.node
     gcs = GcsClient(address=node.gcs_address)
     logs = node.get_logs_dir_path()

@@ -458,9 +458,9 @@ def _set_up(actors: Actors, config: Config, timeout_s: float) -> None:
     """Waits, with a timeout each, until every actor is up and every learner has joined
     its group and built its Learner, under a countdown (by the last start-up of the same
     actors and model on this machine). The learners build while the other actors start
-    (on CPU a rollout worker's engine takes one core for 10-15 s, mostly importing vLLM,
-    and a learner's build 5-7 s of another: a 1-step run reached its first evaluation
-    6-8 s sooner), except where both roles are on GPUs: an engine measures its GPU's
+    (on CPU an engine's start is mostly importing vLLM, on one core, and a learner's
+    build overlaps it on another, so the first evaluation comes sooner), except where
+    both roles are on GPUs: an engine measures its GPU's
     free memory as it starts, and a learner that shares the GPU must not hold part of
     it yet."""
     names = ", ".join(name for name, _ in actors.all())

@@ -108,7 +108,7 @@ def gguf_file(model: PackagedModel, field_name: str = "model.path") -> Path:
 
 def _build(model: PackagedModel, gguf: Path, target: Path) -> None:
     """Converts the GGUF into an HF folder at `target`, in a child process (it holds the
-    model twice over, ~1.2 GB, which the asking process should not keep)."""
+    model twice over, which the asking process should not keep)."""
     megabytes = gguf.stat().st_size / 2**20
     print(
         f"building {model.name} in {target} (first use only): dequantizing the "

@@ -86,8 +86,8 @@ ARITHMETIC = TinyModel(
         "warm_start_lr": 1e-3,
         "seed": 0,
         # The tokenizer's chat template is part of the model directory; it changes no
-        # weight (the warm start reads plain text), measured: model.safetensors is
-        # byte-identical with and without it.
+        # weight (the warm start reads plain text): model.safetensors is byte-identical
+        # with and without it.
         "chat_template": 2,
     },
     lambda: TaskPrompts(addition(2), seed=0, held_out=200),
@@ -122,9 +122,8 @@ COUNTDOWN_MODEL = TinyModel(
         "max_position_embeddings": 320,  # "99-1=", 99 numbers and end-of-sequence
         "warm_start_steps": 300,
         "warm_start_batch": 64,
-        # Countdowns are 8 to 302 tokens (57 on average): a batch padded to its longest
-        # is 4.7x its tokens. In chunks of like lengths the build takes 63 s, not 215,
-        # on 2 cores (1024 measured best of 512-4096).
+        # Countdowns range from a few tokens to 300: a batch padded to its longest is
+        # mostly padding, so the warm start trains on chunks of like lengths.
         "warm_start_chunk_tokens": 1024,
         "warm_start_lr": 1e-3,
         "seed": 0,
@@ -141,7 +140,7 @@ def tiny_model(model: TinyModel) -> Path:
     Several processes (actors on one node) may ask at once: one builds under a file
     lock, the others wait and reuse it. The build is seeded, but float arithmetic differs
     between CPU kinds and thread counts: a node of another kind builds a different copy
-    (measured: a 16-core GPU machine's copy gives other logprobs than this 2-core one's).
+    (a machine with another CPU or thread count builds a copy with other logprobs).
     That is harmless in a run, since rollout workers load the learner's weights before
     they generate.
     """
