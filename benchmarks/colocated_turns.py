@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from learner_dtype import SIZES, build, random_batch
 
 from rlray.algorithms import rl_math as rm
-from rlray.learner.engine import Engine, TokenBatch
+from rlray.learner.batches import TokenBatch
+from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 
 GIB = 2**30
 
@@ -97,7 +99,9 @@ def main() -> None:
             flush=True,
         )
         batch = random_batch(name, args.device)
-        engine = Engine(out, dtype="bfloat16", device=args.device, micro_batch_size=16)
+        engine = Engine(
+            out, EngineSettings(dtype="bfloat16", device=args.device, micro_batch_size=16)
+        )
         one_step(engine, batch)  # warm-up: the optimizer's state exists from here
         results = {}
         for offload in (False, True, False):  # the first plain pass warms the kernels again

@@ -32,7 +32,9 @@ from rlray.algorithms import rl_math as rm  # noqa: E402
 from rlray.core.episode import Episode, from_table  # noqa: E402
 from rlray.data.models import resolve_model_path  # noqa: E402
 from rlray.episodes.reader import read  # noqa: E402
-from rlray.learner.engine import Engine, Outputs, TokenBatch, collate  # noqa: E402
+from rlray.learner.batches import Outputs, TokenBatch, collate  # noqa: E402
+from rlray.learner.engine import Engine  # noqa: E402
+from rlray.learner.engine_settings import EngineSettings  # noqa: E402
 
 
 def collect(out: Path, prompts: int) -> Path:
@@ -85,7 +87,9 @@ def train_critic(model: str, lr: float, passes: int, episodes: list[Episode]) ->
         tensors([e for e in episodes if e.prompt_index < cut]),
         tensors([e for e in episodes if e.prompt_index >= cut]),
     )
-    engine = Engine(model, with_critic=True, lr=0.0, critic_lr=lr, micro_batch_size=256)
+    engine = Engine(
+        model, EngineSettings(with_critic=True, lr=0.0, critic_lr=lr, micro_batch_size=256)
+    )
     batch, returns = train
 
     def value_loss(outputs: Outputs, rows: torch.Tensor, totals) -> tuple[torch.Tensor, dict]:

@@ -30,7 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlray.algorithms import rl_math as rm
-from rlray.learner.engine import Engine, TokenBatch, collate
+from rlray.learner.batches import TokenBatch, collate
+from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 
 # name: (hidden, layers, heads, vocab, completion tokens)
 SIZES = {
@@ -131,14 +133,14 @@ def print_training(
     if batch.mask.is_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(
-        model,
+    settings = EngineSettings(
         dtype=dtype,
         device=device,
         micro_batch_size=SEQUENCES if budget else 16,  # a budget: it alone binds
         micro_batch_tokens=budget,
         compile_layers=compiled,
     )
+    engine = Engine(model, settings)
     started = time.perf_counter()
     speed = train_speed(engine, batch)
     memory = torch.cuda.max_memory_allocated() / 2**30 if batch.mask.is_cuda else None
@@ -155,7 +157,9 @@ def print_training(
 def logprob_gap(model: str, batch: TokenBatch, device: str) -> torch.Tensor:
     """Returns |float32 - bfloat16| logprobs of the batch's tokens, (B, T)."""
     logprobs = [
-        Engine(model, dtype=dtype, device=device, micro_batch_size=16).score(batch).logp
+        Engine(model, EngineSettings(dtype=dtype, device=device, micro_batch_size=16))
+        .score(batch)
+        .logp
         for dtype in ("float32", "bfloat16")
     ]
     return (logprobs[0] - logprobs[1]).abs().cpu()

@@ -31,6 +31,7 @@ from learner_dtype import SIZES, build, random_batch, train_speed
 
 from rlray.learner import distributed as dd
 from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 
 
 def local_bytes(tensors) -> int:
@@ -47,7 +48,7 @@ def learner(rank: int, world_size: int, port: int, model: str, args, out: str) -
     torch.set_num_threads(max(1, args.threads // world_size))
     if world_size > 1:
         dd.join_group(rank, world_size, "127.0.0.1", port, args.device, timeout_s=600)
-    engine = Engine(model, device=args.device, micro_batch_size=args.micro_batch)
+    engine = Engine(model, EngineSettings(device=args.device, micro_batch_size=args.micro_batch))
     batch = random_batch(args.size, args.device, args.sequences, args.completion)
     speed = train_speed(engine, batch, repeats=args.repeats)
     state = [s for group in engine.optimizer.state.values() for s in group.values()]

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learner_dtype import build, random_batch, train_speed
 
 from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 from rlray.weights.packing import publishable_weights
 
 SIZE = "100m"
@@ -39,7 +40,7 @@ SIZE = "100m"
 
 def measure(model: str, rank: int, sequences: int, completion: int) -> dict[str, float]:
     """In a process of its own: one learner's figures (see the module's docstring)."""
-    engine = Engine(model, micro_batch_size=4, lora_rank=rank)
+    engine = Engine(model, EngineSettings(micro_batch_size=4, lora_rank=rank))
     batch = random_batch(SIZE, "cpu", sequences, completion)
     tokens_per_s = train_speed(engine, batch, repeats=2)
     trainable = sum(p.numel() for p in engine.policy.parameters() if p.requires_grad)

@@ -45,9 +45,9 @@ def main() -> None:
     learners = {}
     for budget in budgets:
         one = learner(model, args.episodes, args.tokens)
-        one.engine.micro_batch_tokens = budget
+        one.engine.micro_batching.max_tokens = budget
         if args.compile:
-            from rlray.learner.engine import compile_decoder_layers  # torch is loaded here
+            from rlray.learner.models import compile_decoder_layers  # torch is loaded here
 
             compile_decoder_layers(one.engine.policy)
         learners[budget] = one

@@ -1,5 +1,5 @@
 """A learner step on episodes of very different lengths: micro-batches padded to the
-batch's longest episode (rlray before, `Engine.buckets_by_length = False`) against
+batch's longest episode (rlray before bucketing; PaddedMicroBatching below) against
 micro-batches of like lengths, each on its own columns, by rows and by a token budget;
 side by side in one process.
 
@@ -31,7 +31,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learner_step import learner, random_episodes
 from vs_trl import SIZES, random_model
 
+from rlray.learner.batches import MicroBatching, TokenBatch
 from rlray.learner.rl import Learner
+
+
+class PaddedMicroBatching(MicroBatching):
+    """Micro-batches as rlray made them before bucketing: rows in the mini-batch's
+    (shuffled) order, each micro-batch on every column of the batch, so that a row pads
+    to the batch's longest episode."""
+
+    def order(
+        self,
+        rows: list[int],
+        prompt: list[int],
+        completion: list[int],
+        groups: list[int] | None,
+    ) -> list[int]:
+        return rows
+
+    def take(self, batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
+        return batch.rows(rows)
 
 
 def kinds(model: str, args: argparse.Namespace) -> dict[str, Learner]:
@@ -39,14 +58,14 @@ def kinds(model: str, args: argparse.Namespace) -> dict[str, Learner]:
     padded, by_rows, by_tokens = (
         learner(model, args.episodes, args.longest, args.device, args.dtype) for _ in range(3)
     )
-    padded.engine.buckets_by_length = False
-    padded.engine.micro_batch_size = by_rows.engine.micro_batch_size = args.rows
     # Rows alone bound these two (the CPU's default token budget would split them too).
-    padded.engine.micro_batch_tokens = by_rows.engine.micro_batch_tokens = 0
-    by_tokens.engine.micro_batch_tokens = args.budget
+    padded.engine.micro_batching = PaddedMicroBatching(max_rows=args.rows)
+    by_rows.engine.micro_batching.max_rows = args.rows
+    by_rows.engine.micro_batching.max_tokens = 0
+    by_tokens.engine.micro_batching.max_tokens = args.budget
     return {
-        f"padded, {padded.engine.micro_batch_size} rows": padded,
-        f"like lengths, {by_rows.engine.micro_batch_size} rows": by_rows,
+        f"padded, {args.rows} rows": padded,
+        f"like lengths, {args.rows} rows": by_rows,
         f"like lengths, {args.budget} tokens": by_tokens,
     }
 

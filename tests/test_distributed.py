@@ -14,7 +14,7 @@ from rlray.algorithms import rl_math as rm
 from rlray.config import Config
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
-from rlray.learner.engine import TokenBatch, collate
+from rlray.learner.batches import TokenBatch, collate
 
 MICRO_BATCH = 3
 ROWS = 10

@@ -18,6 +18,7 @@ from rlray.config import Config
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import PreferencePair, preference_batches
 from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 from rlray.learner.preference import DpoTrainer
 from tests.jobs_helper import REPO
 
@@ -37,7 +38,7 @@ def model_path() -> str:
 def make_trainer(model_path: str, lr: float = 1e-3, **settings) -> DpoTrainer:
     from transformers import AutoTokenizer
 
-    engine = Engine(model_path, lr=lr, micro_batch_size=3, with_reference=True)
+    engine = Engine(model_path, EngineSettings(lr=lr, micro_batch_size=3, with_reference=True))
     return DpoTrainer(engine, AutoTokenizer.from_pretrained(model_path), **settings)
 
 

@@ -18,8 +18,8 @@ from rlray.core.episode import Episode, EpisodeError
 from rlray.core.idle_cores import CoreLender, IdleCores
 from rlray.core.parity import parity_gap
 from rlray.data.models import resolve_model_path
+from rlray.learner.batches import Outputs, collate, shared_prompts
 from rlray.learner.distributed import decoder_layers
-from rlray.learner.engine import Outputs, collate, shared_prompts
 from rlray.learner.rl import Learner
 
 PROMPT = "12+34="

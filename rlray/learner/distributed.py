@@ -167,7 +167,7 @@ def groups_together(
 ) -> list[int]:
     """Returns `rows` with the rows of each group (one prompt's samples) side by side, so
     that a micro-batch holds whole groups and runs each prompt once (shared_prompts in
-    rlray/learner/engine.py): groups by their longest completion, then prompt length,
+    rlray/learner/batches.py): groups by their longest completion, then prompt length,
     longest first; a group's rows longest first (equals in row order)."""
     longest: dict[int, int] = {}
     for r in rows:

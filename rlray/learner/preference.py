@@ -32,7 +32,9 @@ from rlray.data.chat import render_prompt
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import Completion, PreferencePair, preference_batches
 from rlray.learner import distributed as dd
-from rlray.learner.engine import Engine, MiniBatchTotals, Outputs, TokenBatch, collate
+from rlray.learner.batches import MiniBatchTotals, Outputs, TokenBatch, collate
+from rlray.learner.engine import Engine
+from rlray.learner.engine_settings import EngineSettings
 from rlray.weights.packing import (
     PackedWeights,
     pack_weights,
@@ -183,20 +185,8 @@ class DpoTrainer:
 def dpo_trainer(config: Config, model_path: str, device: str = "cpu") -> tuple[DpoTrainer, Any]:
     """Returns the DPO trainer of a config (an Engine with its reference model, sharded
     across the learner group if one is joined) and the model's tokenizer."""
-    learner, preference = config.learner, config.preference
-    engine = Engine(
-        model_path,
-        dtype=config.model.dtype,
-        lr=learner.lr,
-        max_grad_norm=learner.max_grad_norm,
-        micro_batch_size=learner.micro_batch_rows,
-        micro_batch_tokens=learner.micro_batch_token_budget,
-        with_reference=True,
-        gradient_checkpointing=learner.gradient_checkpointing,
-        compile_layers=learner.compile,
-        seed=config.seed,
-        device=device,
-    )
+    preference = config.preference
+    engine = Engine(model_path, EngineSettings.for_preferences(config, device))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = DpoTrainer(
         engine, tokenizer, preference.loss, preference.beta, preference.label_smoothing

@@ -1,9 +1,10 @@
 """Learner: one step of the configured algorithm on a batch of episodes.
 
 A plain class: tests construct it in-process; rlray.cluster wraps it in a Ray actor.
-It composes the engine (rlray/learner/engine.py: models, forward passes, optimizer, checkpoints)
-and the algorithm (rlray/algorithms/algorithm.py: advantages and losses), and turns episodes into
-the tensors they exchange.
+It composes the engine (rlray/learner/engine.py: models, forward passes, micro-batches,
+optimizer, checkpoints; built from its EngineSettings) and the algorithm
+(rlray/algorithms/algorithm.py: advantages and losses), and turns episodes into the
+tensors they exchange.
 
 The ratio's old logprobs are the learner's own, computed before the update. vLLM's
 logprobs enter only through the rollout-correction weight, and the step reports how
@@ -36,15 +37,9 @@ from rlray.core.parity import ParitySample
 from rlray.core.stats import StepMetrics
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
-from rlray.learner.engine import (
-    Engine,
-    LossFn,
-    MiniBatchTotals,
-    Outputs,
-    TokenBatch,
-    TokenCounts,
-    collate,
-)
+from rlray.learner.batches import MiniBatchTotals, Outputs, TokenBatch, TokenCounts, collate
+from rlray.learner.engine import Engine, LossFn
+from rlray.learner.engine_settings import EngineSettings
 from rlray.weights.packing import publishable_weights, tied_output_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -98,27 +93,16 @@ class Learner:
         self.learner = learner
         self.samples_per_prompt = samples_per_prompt
         self.rollout_dtype = _DTYPES[model.dtype]
-        self.engine = Engine(
-            model_path,
-            dtype=model.dtype,
-            device=device,
-            lr=learner.lr,
-            critic_lr=learner.critic_lr,
-            max_grad_norm=learner.max_grad_norm,
-            micro_batch_size=learner.micro_batch_rows,
-            micro_batch_tokens=learner.micro_batch_token_budget,
+        settings = EngineSettings.from_config(
+            model,
+            learner,
             temperature=temperature,
+            seed=seed,
+            device=device,
             with_reference=self.algorithm.needs_reference,
             with_critic=self.algorithm.needs_critic,
-            gradient_checkpointing=learner.gradient_checkpointing,
-            compile_layers=learner.compile,
-            lent_cores=lent_cores,
-            seed=seed,
-            checkpoint=checkpoint,
-            lora_rank=model.lora.rank,
-            lora_alpha=model.lora.alpha,
-            lora_targets=tuple(model.lora.target_modules),
         )
+        self.engine = Engine(model_path, settings, checkpoint=checkpoint, lent_cores=lent_cores)
         self.device = self.engine.device
         self.tokenizer = AutoTokenizer.from_pretrained(
             f"{checkpoint}/policy" if checkpoint else model_path
