@@ -68,7 +68,12 @@ class PreparedStep:
 
 
 class Learner:
-    """Composes an Engine and an Algorithm; keeps the policy version and prompt cursor."""
+    """Composes an Engine and an Algorithm; keeps the policy version and prompt cursor.
+
+    `lent_cores`: how many idle cores of its node's rollout workers the learner may use
+    now (Engine's; learner.borrow_idle_cores). `fuse_old_logprobs`: whether steps with
+    one update take the logprobs before it from their own forward pass
+    (fuses_old_logprobs); tests turn it off to compare."""
 
     def __init__(
         self,
@@ -85,10 +90,7 @@ class Learner:
         checkpoint: str | None = None,
         lent_cores: Callable[[], int] | None = None,
     ):
-        """`lent_cores`: how many idle cores of its node's rollout workers the learner
-        may use now (Engine's; learner.borrow_idle_cores)."""
-        model_path = resolve_model_path(model_path)  # the embedded model: built on this node
-        self.model_path = model_path
+        self.model_path = model_path = resolve_model_path(model_path)  # built on this node
         self.algorithm = Algorithm(algorithm, max_new_tokens)
         self.learner = learner
         self.samples_per_prompt = samples_per_prompt
@@ -104,27 +106,15 @@ class Learner:
         )
         self.engine = Engine(model_path, settings, checkpoint=checkpoint, lent_cores=lent_cores)
         self.device = self.engine.device
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            f"{checkpoint}/policy" if checkpoint else model_path
-        )
-        self.pad_token_id = self.tokenizer.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = self.tokenizer.eos_token_id
-        self.limits = ModelLimits(
-            vocab_size=self.engine.policy.get_input_embeddings().num_embeddings,
-            max_model_len=model.max_model_len,
-        )
-        self.version = 0
-        self.prompt_cursor = 0
+        tokenizer = f"{checkpoint}/policy" if checkpoint else model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.pad_token_id = _pad_token_id(self.tokenizer)
+        vocab_size = self.engine.policy.get_input_embeddings().num_embeddings
+        self.limits = ModelLimits(vocab_size=vocab_size, max_model_len=model.max_model_len)
+        self.version, self.prompt_cursor = _resume_point(checkpoint)
         self.fuse_old_logprobs = True
-        """Whether steps with one update take the logprobs before it from its own forward
-        pass (fuses_old_logprobs); tests turn it off to compare."""
         self.parity_episodes: list[Episode] = []  # the last step's, for the sync check
         self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
-        if checkpoint:
-            state = json.loads((Path(checkpoint) / "state.json").read_text())
-            self.version = int(state["version"])
-            self.prompt_cursor = int(state["prompt_cursor"])
 
     # ------------------------------------------------------------------ tensors
 
@@ -508,6 +498,19 @@ class Learner:
     def state(self) -> dict[str, Any]:
         """Returns version and prompt cursor (small)."""
         return {"version": self.version, "prompt_cursor": self.prompt_cursor}
+
+
+def _pad_token_id(tokenizer: Any) -> int:
+    """Returns the tokenizer's padding id, its end-of-sequence id where it has none."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+
+
+def _resume_point(checkpoint: str | None) -> tuple[int, int]:
+    """Returns (policy version, prompt cursor) of a checkpoint; (0, 0) without one."""
+    if not checkpoint:
+        return 0, 0
+    state = json.loads((Path(checkpoint) / "state.json").read_text())
+    return int(state["version"]), int(state["prompt_cursor"])
 
 
 def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
