@@ -17,10 +17,12 @@ whole, never in part.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
-from collections import defaultdict
+import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,70 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     assert trained == list(range(len(trained))) and len(trained) >= len(logged)
     for batch, marks in by_batch.items():
         assert marks.count(True) <= (1 if batch < checkpoint else 2), (batch, marks)
+
+
+def test_a_resume_mid_flight_with_partial_rollouts_trains_no_prompt_twice(job_env, tmp_path):
+    """Partial rollouts (a colocated engine with in-flight updates) leave a long-tail
+    task's slow groups running from one batch to the next, so the prompts not yet trained
+    on are not one run from a cursor: the checkpoint names them, and a resume after the
+    colocated actor's death regenerates exactly those before going on."""
+    run_dir = tmp_path / "partial"
+    args = [*SHORT_RUN, "--config", str(REPO / "examples" / "countdown.yaml")]
+    args += ["--ray.placement", "colocated", "--learner.steps", "10"]
+    args += ["--learner.checkpoint_every", "1", "--ray.max_job_restarts", "1"]
+    # A group is carried only while it stays fresh enough to train: generation a batch
+    # ahead, and a group carried to the next batch, make two versions.
+    args += ["--buffer.max_staleness", "2", "--rollout.in_flight_carry", "0.5"]
+    output = tmp_path / "job"
+    job = start_job([*args, "--run-dir", str(run_dir)], job_env, output)
+    try:
+        # The first checkpoint taken while an earlier prompt's group was still running
+        # and later prompts were trained: a cursor alone (the lowest unfinished prompt)
+        # would have those trained again.
+        wait_until(lambda: job.poll() is not None or _a_checkpoint_with_a_gap(run_dir))
+        assert job.poll() is None, "no checkpoint of the run had a prompt carried"
+        killed_at = time.time()
+        kill(run_dir, "learner")  # the learner and its engine: the job resumes
+        job.wait(timeout=900)
+    finally:
+        job.kill()
+    err = output.with_suffix(".err").read_text()
+    assert job.returncode == 0, err[-4000:]
+    resumed = re.search(r"resuming from .*(step-\d+)", err)
+    assert resumed, err[-4000:]
+    checkpoint = run_dir / "checkpoints" / resumed[1]
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert _has_gap(state), state
+    replay = state["replay_prompts"]
+    saved_at = (checkpoint / "state.json").stat().st_mtime
+    columns = ["prompt_index", "sample_index", "generated_at", "trained_at"]
+    rows = read(run_dir / "episodes").select(columns).to_pylist()
+    trained = Counter(
+        (row["prompt_index"], row["sample_index"])
+        for row in rows
+        # What the learner kept: trained before the checkpoint, or after the resume (a
+        # step trained between the checkpoint and the kill was lost with the learner).
+        if row["trained_at"] is not None
+        and not saved_at < row["trained_at"].timestamp() < killed_at
+    )
+    assert trained and max(trained.values()) == 1, trained.most_common(3)
+    # The resumed run generated every prompt the checkpoint left unfinished again.
+    regenerated = {r["prompt_index"] for r in rows if r["generated_at"].timestamp() > killed_at}
+    assert regenerated >= set(replay)
+
+
+def _has_gap(state: dict) -> bool:
+    """Whether a checkpoint's unfinished prompts leave out some between their lowest and
+    its cursor (those were trained)."""
+    replay = state.get("replay_prompts") or []
+    return bool(replay) and any(p not in replay for p in range(min(replay), state["prompt_cursor"]))
+
+
+def _a_checkpoint_with_a_gap(run_dir: Path) -> bool:
+    for path in (run_dir / "checkpoints").glob("step-*/state.json"):
+        try:
+            if _has_gap(json.loads(path.read_text())):
+                return True
+        except (OSError, ValueError):  # being written
+            continue
+    return False
