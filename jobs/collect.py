@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, replace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
 
-from rlray.cluster.calls import ActorFailure
-from rlray.cluster.connection import connect
+JOB = Job("collect.py", began="collecting", kept="every episode so far is kept", ray=True)
+JOB.stop_while_importing()  # the imports below take seconds
+
 from rlray.cluster.start import start_actors, start_agent
 from rlray.config import ConfigError, validate
 from rlray.config.command_line import parse_command_line
@@ -34,54 +34,52 @@ from rlray.driver.collecting import CollectDriver
 from rlray.driver.plan import RunPlan, plan_run, write_config
 
 
-def main(argv: list[str]) -> int:
-    # 1. Config, checked before any actor starts.
-    try:
-        prompt_count, held_out, rest = parse_prompt_count(argv)
-        command = parse_command_line(rest)
-        validate(command.config)
-        plan = plan_run(command.config, resume_dir=None)
-        if held_out:
-            plan = replace(plan, prompts=FilePrompts(plan.eval_rows, seed=0, shuffle=False))
-        prompt_count = prompt_count or one_pass(plan)
-        write_config(plan)
-    except ConfigError as err:
-        print(f"collect.py: error: {err}", file=sys.stderr)
-        return 2
-    config = plan.config
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, collect)
 
-    # 2. Rollout, reward and store actors; no buffer, no learner.
-    cpus = config.rollout.num_workers * config.rollout.cpus_per_worker
-    connect(config.ray.address, max(config.ray.num_cpus, int(cpus + 1)))
-    print(f"run directory: {plan.run_dir}", flush=True)
-    try:
-        actors = start_actors(config, plan.model_path, plan.run_id, train=False)
-        if config.agent.enabled:
-            url = start_agent(config, actors, plan.model_path, plan.run_id)
-            print(f"agent endpoint: {url}", flush=True)
-    except ActorFailure as err:
-        print(f"collect.py: error: {err}", file=sys.stderr)
-        return 1
 
-    # 3. Generate, score and store every prompt's samples.
-    driver = CollectDriver(plan, actors)
+@dataclass
+class Collection(RunPlan):
+    """A collect run's plan, with how many prompts it collects."""
+
+    prompt_count: int = 0
+
+
+def check(argv: list[str]) -> Collection:
+    """Returns the collect run's plan, every check done; writes config.yaml. Raises
+    ConfigError naming the bad input."""
+    prompt_count, held_out, rest = parse_prompt_count(argv)
+    command = parse_command_line(rest)
+    validate(command.config)
+    plan = plan_run(command.config, resume_dir=None)
+    if held_out:
+        plan = replace(plan, prompts=FilePrompts(plan.eval_rows, seed=0, shuffle=False))
+    collection = Collection(**vars(plan), prompt_count=prompt_count or one_pass(plan))
+    write_config(plan)
+    return collection
+
+
+def collect(run: Collection) -> int:
+    """Starts rollout, reward and store actors (no buffer, no learner), generates, scores
+    and stores every prompt's samples; returns the exit code."""
+    config = run.config
+    actors = start_actors(config, run.model_path, run.run_id, train=False)
+    if config.agent.enabled:
+        url = start_agent(config, actors, run.model_path, run.run_id)
+        print(f"agent endpoint: {url}", flush=True)
+    driver = CollectDriver(run, actors)
     try:
-        summary = driver.collect(prompt_count)
-    except ActorFailure as err:
-        print(f"collect.py: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("collect.py: interrupted; every episode so far is kept", file=sys.stderr)
-        return 130
+        with JOB.working():
+            summary = driver.collect(run.prompt_count)
     finally:
         # Agents hear the run is done; traces they left open are dropped (see ppo.py).
         actors.close_agent(config.ray.call_timeout_s)
         stored = driver.close_store()  # every scored episode written (or spooled)
         actors.kill()
     summary.episodes_stored = stored.episodes_written if stored else None
-    (plan.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    (run.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
     print(
-        f"done: {summary.episodes} episodes of {prompt_count} prompts, reward mean "
+        f"done: {summary.episodes} episodes of {run.prompt_count} prompts, reward mean "
         f"{summary.reward_mean:.3f}, {summary.episodes_per_second:.1f} episodes/s"
     )
     print(f"episodes: {summary.store}")
@@ -110,4 +108,4 @@ def one_pass(plan: RunPlan) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

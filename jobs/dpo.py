@@ -13,115 +13,86 @@ and its accuracy, and when the held-out prompts (data.eval) have answers, a vLLM
 loaded with the policy's weights gives greedy exact match. Writes metrics.jsonl,
 checkpoints/ (HF policy, as jobs/ppo.py's) and summary.json into the run directory.
 
-Reads top to bottom: config -> data -> learners -> loop -> summary.
+Reads top to bottom: main (the job skeleton, rlray/driver/job.py) -> check (config,
+data) -> run (learners, steps, summary).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
 
-from rlray.cluster.calls import ActorFailure
-from rlray.cluster.connection import connect, required_cpus
+JOB = Job(
+    "dpo.py", began="training", kept="metrics.jsonl and the checkpoints so far are kept", ray=True
+)
+JOB.stop_while_importing()  # the imports below take seconds
+
 from rlray.cluster.start import start_preference_learners
 from rlray.config import Config, ConfigError, validate
 from rlray.config.command_line import parse_command_line
+from rlray.core.prompt import PromptRow
 from rlray.data.models import resolve_model_path
 from rlray.data.preferences import preference_batches
 from rlray.data.prompts import eval_rows
 from rlray.driver.plan import create_run_directory
-from rlray.driver.preference import PreferenceDriver
+from rlray.driver.preference import PreferenceDriver, held_out_change, run_preference_steps
 
 
-def main(argv: list[str]) -> int:
-    # 1. Config and data: every check before a model loads.
-    try:
-        command = parse_command_line(argv)
-        config = command.config
-        validate(config)
-        if command.resume_dir is not None:
-            raise ConfigError("--resume: jobs/dpo.py starts from model.path only")
-        # Each learner reads the data itself, from its own working directory.
-        for name in ("train", "eval"):
-            path = getattr(config.data, name)
-            if path and not path.startswith("builtin:"):
-                setattr(config.data, name, str(Path(path).resolve()))
-        preference_batches(config)  # the pair file's checks; each learner reads it again
-        model_path = resolve_model_path(config.model.path)
-        run_dir = Path(config.run_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-        create_run_directory(run_dir)
-    except ConfigError as err:
-        print(f"dpo.py: error: {err}", file=sys.stderr)
-        return 2
-    print(f"run directory: {run_dir}", flush=True)
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, run)
 
-    # 2. Learners and the evaluation actor, on Ray.
+
+class PreferenceRun(NamedTuple):
+    """A checked preference run."""
+
+    config: Config
+    run_dir: Path
+    model_path: str
+    rows: list[PromptRow]
+    """The held-out prompts with answers (greedy exact match), if any."""
+
+
+def check(argv: list[str]) -> PreferenceRun:
+    """Returns the run, its config and data checked before a model loads; creates the run
+    directory. Raises ConfigError naming the bad input."""
+    command = parse_command_line(argv)
+    config = command.config
+    validate(config)
+    if command.resume_dir is not None:
+        raise ConfigError("--resume: jobs/dpo.py starts from model.path only")
+    # Each learner reads the data itself, from its own working directory.
+    for name in ("train", "eval"):
+        path = getattr(config.data, name)
+        if path and not path.startswith("builtin:"):
+            setattr(config.data, name, str(Path(path).resolve()))
+    preference_batches(config)  # the pair file's checks; each learner reads it again
+    model_path = resolve_model_path(config.model.path)
     rows = [r for r in eval_rows(config.data) if "answer" in r.columns]
-    connect(config.ray.address, max(config.ray.num_cpus, int(required_cpus(config) + 0.999)))
+    run_dir = Path(config.run_dir or f"runs/dpo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    create_run_directory(run_dir)
+    return PreferenceRun(config, run_dir, model_path, rows)
+
+
+def run(plan: PreferenceRun) -> int:
+    """Starts the learners and the evaluation actor, trains; returns the exit code."""
+    config = plan.config
+    actors = start_preference_learners(config, plan.model_path, plan.run_dir.name, bool(plan.rows))
     try:
-        actors = start_preference_learners(config, model_path, run_dir.name, bool(rows))
-    except ActorFailure as err:
-        print(f"dpo.py: error: {err}", file=sys.stderr)
-        return 1
-    try:
-        summary = train(config, PreferenceDriver(config, actors, rows), run_dir)
-    except ActorFailure as err:
-        print(f"dpo.py: error: {err}", file=sys.stderr)
-        return 1
+        with JOB.working():
+            driver = PreferenceDriver(config, actors, plan.rows)
+            summary = run_preference_steps(config, driver, plan.run_dir)
     finally:
         actors.kill()
     print(
         f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; "
-        f"{describe_change(summary['initial_eval'], summary['final_eval'])}"
+        f"{held_out_change(summary['initial_eval'], summary['final_eval'])}"
     )
     return 0
 
 
-def train(config: Config, driver: PreferenceDriver, run_dir: Path) -> dict[str, Any]:
-    """Runs the steps (evaluations and checkpoints on schedule); returns the summary."""
-    # 3. Loop: one update per batch of pairs.
-    steps, started = config.learner.steps, time.perf_counter()
-    evaluations = {0: driver.evaluate(0)}
-    print(describe(0, evaluations[0]), flush=True)
-    for step in range(1, steps + 1):
-        record = driver.step(step)
-        last = step == steps
-        if step % config.learner.eval_every == 0 or last:
-            evaluations[step] = record["eval"] = driver.evaluate(step)
-            print(describe(step, evaluations[step]), flush=True)
-        if step % config.learner.checkpoint_every == 0 or last:
-            driver.save_checkpoint(run_dir, step)
-        with (run_dir / "metrics.jsonl").open("a") as metrics:
-            metrics.write(json.dumps(record) + "\n")
-
-    # 4. Summary: held-out figures before and after.
-    summary = {
-        "steps": steps,
-        "pairs_per_step": config.preference.pairs_per_step,
-        "learners": config.learner.num_workers,
-        "seconds": time.perf_counter() - started,
-        "initial_eval": evaluations[0],
-        "final_eval": evaluations[steps],
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
-
-
-def describe(step: int, evaluation: dict) -> str:
-    shown = ["exact_match", "pairs/accuracy", "pairs/reward_margin", "pairs/loss"]
-    values = "  ".join(f"{k} {evaluation[k]:.3f}" for k in shown if k in evaluation)
-    return f"eval  step {step:4d}  {values}"
-
-
-def describe_change(first: dict, last: dict) -> str:
-    keys = [k for k in ("exact_match", "pairs/accuracy") if k in first]
-    return ", ".join(f"held-out {k} {first[k]:.3f} -> {last[k]:.3f}" for k in keys)
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -11,14 +11,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
 
+JOB = Job("episodes.py", began="the summary")
+JOB.stop_while_importing()  # the imports below take seconds
+
+import pyarrow as pa
+
+from rlray.config import ConfigError
 from rlray.episodes.reader import find_episode, format_trace, read, summarize
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, show)
+
+
+def check(argv: list[str]) -> tuple[argparse.Namespace, pa.Table]:
+    """Returns the arguments and the store's episodes; raises ConfigError if the store
+    cannot be read."""
     parser = argparse.ArgumentParser(prog="episodes.py", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="episode store: a directory or an s3:// URI")
     parser.add_argument("--run", action="append", help="only this run id (repeatable)")
@@ -27,10 +38,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--episode", help="show this episode's trace, turn by turn")
     args = parser.parse_args(argv)
     try:
-        table = read(args.source, runs=args.run, endpoint_url=args.endpoint_url)
+        return args, read(args.source, runs=args.run, endpoint_url=args.endpoint_url)
     except (FileNotFoundError, OSError) as err:
-        print(f"episodes.py: error: {err}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(err)) from None
+
+
+def show(store: tuple[argparse.Namespace, pa.Table]) -> int:
+    """Prints the store's summary, or one episode's trace; returns the exit code."""
+    args, table = store
     if args.episode:
         return show_episode(table, args.episode)
     summary = summarize(table)
@@ -38,11 +53,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def show_episode(table, episode_id: str) -> int:
+def show_episode(table: pa.Table, episode_id: str) -> int:
     """Prints one episode's trace; returns the exit code (2 if there is no such episode)."""
     episode = find_episode(table, episode_id)
     if episode is None:
-        print(f"episodes.py: error: no episode {episode_id!r} in the store", file=sys.stderr)
+        JOB.say(f"error: no episode {episode_id!r} in the store")
         return 2
     print(format_trace(episode))
     return 0
@@ -69,4 +84,4 @@ def format_summary(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

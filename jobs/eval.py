@@ -16,7 +16,8 @@ Every model answers the same prompts with the same sampling seeds, so the compar
 paired (rlray.evaluation.compare). Prints the table and writes comparison.json and
 comparison.md to --out (default runs/eval-<time>).
 
-Reads top to bottom: arguments -> checks -> generate and score each model -> compare.
+Reads top to bottom: main (the job skeleton, rlray/driver/job.py) -> check (arguments,
+models, prompts) -> evaluate (generate and score each model, compare).
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
+
+JOB = Job("eval.py", began="evaluation", kept="nothing is written")
+JOB.stop_while_importing()  # the imports below take seconds
 
 from rlray.config import Config, ConfigError, eval_rewards, validate
 from rlray.config.command_line import parse_command_line
-from rlray.core.checkpoints import checkpoint_problem, latest_checkpoint
-from rlray.core.evaluation import EvalSample, EvalSummary, fully_scored, summarize
+from rlray.core.evaluation import EvalSample
 from rlray.core.prompt import PromptRow
-from rlray.data.models import read_prompts, resolve_model_path
-from rlray.data.prompts import check_prompts_fit, eval_rows
-from rlray.driver.plan import check_eval_rows
+from rlray.data.prompts import eval_rows
+from rlray.driver.evaluation import summarize_all
+from rlray.driver.plan import check_eval_rows, check_model_fits, model_directory
 from rlray.observe.comparison import compare, comparison_markdown, write_comparison
 from rlray.rewards.worker import RewardWorker
 from rlray.rollout.worker import RolloutWorker
@@ -44,39 +48,54 @@ USAGE = (
 )
 
 
-def main(argv: list[str]) -> int:
-    # 1. Arguments: the models first, then --out, then config fields as jobs/ppo.py's.
-    try:
-        models, out, config_args = split_arguments(argv)
-        config = parse_command_line(config_args).config
-        validate(config)
-        rows = eval_rows(config.data)
-        check_eval_rows(config, rows)
-        paths = {model: model_directory(model) for model in models}
-        for model, path in paths.items():
-            check_fits(config, rows, path, model)
-    except ConfigError as err:
-        print(f"eval.py: error: {err}", file=sys.stderr)
-        return 2
-    out = Path(out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, evaluate)
 
-    # 2. Each model in turn: greedy and sampled completions, scored by the eval rewards.
+
+class EvalRun(NamedTuple):
+    """A checked evaluation: the config, the held-out prompts, each model's directory."""
+
+    config: Config
+    rows: list[PromptRow]
+    paths: dict[str, str]
+    out: Path
+
+
+def check(argv: list[str]) -> EvalRun:
+    """Returns the evaluation: the models first, then --out, then config fields as
+    jobs/ppo.py's, every model and prompt checked. Raises ConfigError naming the bad
+    input."""
+    models, out, config_args = split_arguments(argv)
+    config = parse_command_line(config_args).config
+    validate(config)
+    rows = eval_rows(config.data)
+    check_eval_rows(config, rows)
+    paths = {model: model_directory(model) for model in models}
+    for model, path in paths.items():
+        check_model_fits(config, rows, path, model)
+    return EvalRun(config, rows, paths, Path(out or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+
+def evaluate(run: EvalRun) -> int:
+    """Generates each model's greedy and sampled completions, scores them with the eval
+    rewards and compares the models; returns the exit code."""
+    config, rows = run.config, run.rows
     scorer = RewardWorker(
         "reward-eval", eval_rewards(config), config.reward.on_failure, config.reward.batch_size
     )
     scored = {}
-    for model, path in paths.items():
-        print(f"evaluating {model} on {len(rows)} prompts", flush=True)
-        scored[model] = scored_completions(config, rows, path, scorer)
-
-    # 3. Compare on the prompts every model was scored on.
+    with JOB.working():
+        for model, path in run.paths.items():
+            print(f"evaluating {model} on {len(rows)} prompts", flush=True)
+            scored[model] = scored_completions(config, rows, path, scorer)
+    # Compared on the prompts every model was scored on.
     try:
-        comparison = compare(summarize_all(config, scored))
+        comparison = compare(summarize_all(config.eval, scored))
     except ValueError as err:  # e.g. rewards failed on all but one prompt
-        print(f"eval.py: error: {err}", file=sys.stderr)
+        JOB.say(f"error: {err}")
         return 1
     print(comparison_markdown(comparison), end="")
-    json_path, markdown_path = write_comparison(comparison, out)
+    json_path, markdown_path = write_comparison(comparison, run.out)
     print(f"written: {json_path} {markdown_path}")
     return 0
 
@@ -105,41 +124,6 @@ def split_arguments(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     return models, out, rest
 
 
-def model_directory(model: str) -> str:
-    """Returns the model directory (or hub name) of a model argument: a checkpoint's
-    policy, a run directory's latest checkpoint's, or model.path's resolution."""
-    path = Path(model)
-    if (path / "checkpoints").is_dir():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise ConfigError(f"{model}: a run directory without a complete checkpoint")
-        path = latest
-    if (path / "state.json").is_file() and (path / "policy").is_dir():
-        if problem := checkpoint_problem(path):
-            raise ConfigError(f"{model}: checkpoint does not verify: {problem}")
-        return str((path / "policy").resolve())
-    try:
-        return resolve_model_path(model)
-    except ConfigError as err:
-        raise ConfigError(f"{model}: {str(err).removeprefix('model.path: ')}") from None
-
-
-def check_fits(config: Config, rows: list[PromptRow], path: str, model: str) -> None:
-    """Raises ConfigError (naming the model) unless every held-out prompt fits with its
-    completion in the context window, read by this model's tokenizer."""
-    (read,) = read_prompts(path, [[r.prompt for r in rows]])
-    try:
-        check_prompts_fit(
-            rows,
-            [tokens.count for tokens in read],
-            config.completion_budget,
-            config.model.max_model_len,
-            "data.eval",
-        )
-    except ConfigError as err:
-        raise ConfigError(f"{model}: {err}") from None
-
-
 def scored_completions(
     config: Config, rows: list[PromptRow], path: str, scorer: RewardWorker
 ) -> list[EvalSample]:
@@ -154,26 +138,5 @@ def scored_completions(
     return scorer.evaluate(episodes, step=config.learner.steps)
 
 
-def summarize_all(config: Config, scored: dict[str, list[EvalSample]]) -> list[EvalSummary]:
-    """Returns each model's summary on the prompts whose completions were scored for
-    every model (a prompt a reward failed on for one model is left out for all)."""
-    left_out = set()
-    for samples in scored.values():
-        left_out.update(fully_scored(samples)[1])
-    if left_out:
-        print(f"left out {len(left_out)} prompts: a reward failed on one of their completions")
-    settings = config.eval
-    ks = settings.pass_k if settings.samples else []
-    return [
-        summarize(
-            model,
-            [s for s in samples if s.prompt_id not in left_out],
-            ks,
-            settings.pass_threshold,
-        )
-        for model, samples in scored.items()
-    ]
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -13,14 +13,24 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
 
-from rlray.core.episode import from_table
+JOB = Job("pairs.py", began="pairing", kept="the pair file may be incomplete")
+JOB.stop_while_importing()  # the imports below take seconds
+
+from rlray.config import ConfigError
+from rlray.core.episode import Episode, from_table
 from rlray.data.preferences import pairs_from_episodes
 from rlray.episodes.reader import read
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, write_pairs)
+
+
+def check(argv: list[str]) -> tuple[argparse.Namespace, list[Episode]]:
+    """Returns the arguments and the store's episodes; raises ConfigError for a bad
+    argument or a store that cannot be read."""
     parser = argparse.ArgumentParser(prog="pairs.py", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="episode store: a directory or an s3:// URI")
     parser.add_argument("--out", required=True, help="the JSONL file to write")
@@ -30,19 +40,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--endpoint-url", help="S3-compatible endpoint (e.g. MinIO)")
     args = parser.parse_args(argv)
     if not args.margin > 0 or args.per_prompt < 1:
-        print("pairs.py: error: --margin must be > 0 and --per-prompt >= 1", file=sys.stderr)
-        return 2
+        raise ConfigError("--margin must be > 0 and --per-prompt >= 1")
     try:
-        episodes = from_table(read(args.source, runs=args.run, endpoint_url=args.endpoint_url))
+        return args, from_table(read(args.source, runs=args.run, endpoint_url=args.endpoint_url))
     except (FileNotFoundError, OSError) as err:
-        print(f"pairs.py: error: {err}", file=sys.stderr)
-        return 2
-    pairs, counts = pairs_from_episodes(episodes, args.margin, args.per_prompt)
+        raise ConfigError(str(err)) from None
+
+
+def write_pairs(store: tuple[argparse.Namespace, list[Episode]]) -> int:
+    """Writes the pairs of the store's episodes as JSONL; returns the exit code."""
+    args, episodes = store
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as file:
-        for pair in pairs:
-            file.write(json.dumps(pair.to_json(), ensure_ascii=False) + "\n")
+    with JOB.working():
+        pairs, counts = pairs_from_episodes(episodes, args.margin, args.per_prompt)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as file:
+            for pair in pairs:
+                file.write(json.dumps(pair.to_json(), ensure_ascii=False) + "\n")
     print(
         f"{counts.pairs} pairs from {counts.prompts} prompts ({counts.prompts_without_pair} "
         f"without a pair at margin {args.margin}); left out: {counts.without_reward} "
@@ -53,4 +67,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -15,95 +15,93 @@ the `classifier_reward` built-in loads it, so an RL run trains against it:
 
 Also writes metrics.jsonl and summary.json. One process, no Ray.
 
-Reads top to bottom: config -> data -> model -> loop -> summary.
+Reads top to bottom: main (the job skeleton, rlray/driver/job.py) -> check (config,
+data) -> train (model, loop, summary).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlray.driver.job import Job, run_job
 
-from rlray.config import ConfigError, validate
+JOB = Job(
+    "reward_model.py",
+    began="training",
+    kept="metrics.jsonl holds the steps so far; no reward model was saved",
+)
+JOB.stop_while_importing()  # the imports below take seconds
+
+from rlray.config import Config, ConfigError, validate
 from rlray.config.command_line import parse_command_line
 from rlray.config.schema import MICRO_BATCH_ROWS
 from rlray.data.models import resolve_model_path
-from rlray.data.preferences import preference_batches
+from rlray.data.preferences import PreferencePair, preference_batches
 from rlray.driver.plan import create_run_directory
+from rlray.driver.preference import run_reward_model_steps
 
 
-def main(argv: list[str]) -> int:
-    # 1. Config and data: every check before the model loads.
-    try:
-        command = parse_command_line(argv)
-        config = command.config
-        validate(config)
-        if command.resume_dir is not None:
-            raise ConfigError("--resume: jobs/reward_model.py starts from model.path only")
-        batches, held_out = preference_batches(config)
-        model_path = resolve_model_path(config.model.path)
-        run_dir = Path(config.run_dir or f"runs/rm-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-        create_run_directory(run_dir)
-    except ConfigError as err:
-        print(f"reward_model.py: error: {err}", file=sys.stderr)
-        return 2
-    print(f"run directory: {run_dir}", flush=True)
+def main(argv: list[str] | None = None) -> int:
+    return run_job(JOB, argv, check, train)
 
-    # 2. Model: the trunk with a fresh one-output score head.
+
+class RewardModelRun(NamedTuple):
+    """A checked reward-model run."""
+
+    config: Config
+    run_dir: Path
+    model_path: str
+    batches: Callable[[int], list[PreferencePair]]
+    """Returns step N's batch of pairs."""
+    held_out: list[PreferencePair]
+
+
+def check(argv: list[str]) -> RewardModelRun:
+    """Returns the run, its config and data checked before the model loads; creates the
+    run directory. Raises ConfigError naming the bad input."""
+    command = parse_command_line(argv)
+    config = command.config
+    validate(config)
+    if command.resume_dir is not None:
+        raise ConfigError("--resume: jobs/reward_model.py starts from model.path only")
+    batches, held_out = preference_batches(config)
+    model_path = resolve_model_path(config.model.path)
+    run_dir = Path(config.run_dir or f"runs/rm-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    create_run_directory(run_dir)
+    return RewardModelRun(config, run_dir, model_path, batches, held_out)
+
+
+def train(run: RewardModelRun) -> int:
+    """Fits the reward model to the pairs, writes it and the summary; returns the exit
+    code."""
+    print(f"run directory: {run.run_dir}", flush=True)
+    # torch loads only once the input is checked: a bad one is told at once.
     from rlray.learner.reward_model import RewardModelTrainer
 
-    preference, learner = config.preference, config.learner
-    steps = preference.reward_model_steps
-    trainer = RewardModelTrainer(
-        model_path,
+    config, preference, learner = run.config, run.config.preference, run.config.learner
+    trainer = RewardModelTrainer(  # the trunk with a fresh one-output score head
+        run.model_path,
         lr=preference.reward_model_lr,
-        steps=steps,
+        steps=preference.reward_model_steps,
         center_coef=preference.reward_model_center,
         max_grad_norm=learner.max_grad_norm,
         micro_batch_size=learner.micro_batch_size or MICRO_BATCH_ROWS,  # no token bound here
         seed=config.seed,
     )
-
-    # 3. Loop: one update per batch of pairs; held-out pairs on schedule.
-    started = time.perf_counter()
-    evaluations = {0: trainer.evaluate(held_out)}
-    print(describe(0, evaluations[0]), flush=True)
-    for step in range(1, steps + 1):
-        record = {"step": step, **trainer.step(batches(step))}
-        if step % learner.eval_every == 0 or step == steps:
-            evaluations[step] = record["eval"] = trainer.evaluate(held_out)
-            print(describe(step, evaluations[step]), flush=True)
-        with (run_dir / "metrics.jsonl").open("a") as metrics:
-            metrics.write(json.dumps(record) + "\n")
-    trainer.save(run_dir / "reward_model")
-
-    # 4. Summary: held-out figures before and after, and where the model is.
-    first, last = evaluations[0], evaluations[steps]
-    summary = {
-        "steps": steps,
-        "pairs_per_step": preference.pairs_per_step,
-        "held_out_pairs": len(held_out),
-        "seconds": time.perf_counter() - started,
-        "initial_eval": first,
-        "final_eval": last,
-        "reward_model": str(run_dir / "reward_model"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with JOB.working():
+        summary = run_reward_model_steps(config, trainer, run.batches, run.held_out, run.run_dir)
+    first, last = summary["initial_eval"], summary["final_eval"]
     print(
-        f"done: {steps} steps in {summary['seconds']:.0f} s; held-out pairwise accuracy "
-        f"{first['accuracy']:.3f} -> {last['accuracy']:.3f}; "
+        f"done: {summary['steps']} steps in {summary['seconds']:.0f} s; held-out pairwise "
+        f"accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f}; "
         f"reward model: {summary['reward_model']}"
     )
     return 0
 
 
-def describe(step: int, evaluation: dict[str, float]) -> str:
-    values = "  ".join(f"{key} {evaluation[key]:.3f}" for key in ("accuracy", "margin", "loss"))
-    return f"eval  step {step:5d}  {values}"
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

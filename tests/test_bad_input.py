@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import rlray.driver.job
 from rlray.config import Config, ConfigError, config_to_dict
 from rlray.config.command_line import parse_command_line
 from rlray.data.models import resolve_model_path
@@ -21,16 +22,17 @@ from tests.jobs_helper import REPO
 
 @pytest.fixture(scope="module")
 def ppo():
-    """jobs/ppo.py as a module; connecting to Ray fails the test (nothing may start)."""
+    """jobs/ppo.py as a module; joining Ray fails the test (nothing may start)."""
     spec = importlib.util.spec_from_file_location("ppo_job", REPO / "jobs" / "ppo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
-    def connect(*args, **kwargs):
+    def join_ray(*args, **kwargs):
         raise AssertionError("bad input reached Ray")
 
-    module.connect = connect
-    return module
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rlray.driver.job, "join_ray", join_ray)
+        yield module
 
 
 @pytest.fixture(scope="module")

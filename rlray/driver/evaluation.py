@@ -1,6 +1,7 @@
 """Held-out evaluations: rollout-0 generates, the first scorer (the store's process, or
 reward-0) scores, and only the scores come back to the driver, which summarises them into
-metrics and keeps the best checkpoint by one of them.
+metrics and keeps the best checkpoint by one of them. Also the models' summaries that
+jobs/eval.py compares (`summarize_all`).
 """
 
 from __future__ import annotations
@@ -222,3 +223,24 @@ class BestCheckpoint:
         staging = self.path.with_suffix(".tmp")
         staging.write_text(json.dumps(self.best, indent=2))
         staging.rename(self.path)
+
+
+def summarize_all(settings: EvalConfig, scored: dict[str, list[EvalSample]]) -> list[EvalSummary]:
+    """Returns each model's summary on the prompts whose completions were scored for
+    every model (a prompt a reward failed on for one model is left out for all), for
+    jobs/eval.py's paired comparison."""
+    left_out = set()
+    for samples in scored.values():
+        left_out.update(fully_scored(samples)[1])
+    if left_out:
+        print(f"left out {len(left_out)} prompts: a reward failed on one of their completions")
+    ks = settings.pass_k if settings.samples else []
+    return [
+        summarize(
+            model,
+            [s for s in samples if s.prompt_id not in left_out],
+            ks,
+            settings.pass_threshold,
+        )
+        for model, samples in scored.items()
+    ]

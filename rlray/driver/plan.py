@@ -1,5 +1,6 @@
 """The run plan: everything checked before any actor starts (model, prompts, rewards,
-run directory), and the run directory's config.yaml.
+run directory), and the run directory's config.yaml; the same checks of the models
+jobs/eval.py compares.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from rlray.agent.traces import AGENT_ROLE_COLUMN
 from rlray.algorithms.estimators import ESTIMATORS
 from rlray.config import Config, ConfigError, config_to_dict, eval_rewards
 from rlray.config.command_line import parse_command_line
-from rlray.core.checkpoints import checkpoint_version, find_checkpoint, latest_checkpoint
+from rlray.core.checkpoints import (
+    checkpoint_problem,
+    checkpoint_version,
+    find_checkpoint,
+    latest_checkpoint,
+)
 from rlray.core.episode import ModelLimits
 from rlray.core.groups import AGENT_TRACE_COLUMN
 from rlray.core.prompt import PromptRow
@@ -196,6 +202,42 @@ def check_eval_rows(config: Config, rows: list[PromptRow]) -> None:
     field = "eval.rewards" if config.eval.rewards else "reward.functions"
     columns = set.intersection(*(set(r.columns) for r in rows))
     check_rewards(eval_rewards(config), {*columns, TRACE_COLUMN}, field, "data.eval")
+
+
+def model_directory(model: str) -> str:
+    """Returns the model directory (or hub name) of a model argument (jobs/eval.py's): a
+    checkpoint's policy, a run directory's latest checkpoint's, or model.path's
+    resolution. Raises ConfigError naming the argument."""
+    path = Path(model)
+    if (path / "checkpoints").is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ConfigError(f"{model}: a run directory without a complete checkpoint")
+        path = latest
+    if (path / "state.json").is_file() and (path / "policy").is_dir():
+        if problem := checkpoint_problem(path):
+            raise ConfigError(f"{model}: checkpoint does not verify: {problem}")
+        return str((path / "policy").resolve())
+    try:
+        return resolve_model_path(model)
+    except ConfigError as err:
+        raise ConfigError(f"{model}: {str(err).removeprefix('model.path: ')}") from None
+
+
+def check_model_fits(config: Config, rows: list[PromptRow], path: str, model: str) -> None:
+    """Raises ConfigError (naming the model) unless every held-out prompt fits with its
+    completion in the context window, read by this model's tokenizer."""
+    (read,) = read_prompts(path, [[r.prompt for r in rows]])
+    try:
+        check_prompts_fit(
+            rows,
+            [tokens.count for tokens in read],
+            config.completion_budget,
+            config.model.max_model_len,
+            "data.eval",
+        )
+    except ConfigError as err:
+        raise ConfigError(f"{model}: {err}") from None
 
 
 def _check_stop_token_ids(token_ids: list[int], limits: ModelLimits | None) -> None:

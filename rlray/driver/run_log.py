@@ -1,6 +1,7 @@
 """What a training run records as it goes, and its summary: a metrics.jsonl line per
 step (also to TensorBoard and wandb), the console's progress, the best checkpoint by
-eval.best_metric, the run's memory, and the wall time split into phases."""
+eval.best_metric, the run's memory, and the wall time split into phases; at the end,
+summary.json, report.png and the outcome in a few lines."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rlray.driver.plan import RunPlan
 from rlray.observe.memory import GIB, MemoryMonitor, gib
 from rlray.observe.metrics_log import MetricsLog
 from rlray.observe.progress import Progress
-from rlray.observe.timing import PhaseClock
+from rlray.observe.timing import PhaseClock, describe_totals
 from rlray.observe.tracking import Trackers
 
 
@@ -68,18 +69,6 @@ class RunSummary:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-@dataclass
-class HeldStep:
-    """A step whose evaluation runs beside the next step's training: its record, timed,
-    is written once the evaluation is back."""
-
-    step: int
-    record: dict[str, Any]
-    version: int
-    staged: bool
-    """Its checkpoint is staged: kept if the evaluation is the best, else discarded."""
 
 
 class RunLog:
@@ -197,6 +186,32 @@ class RunLog:
         """Returns the share of the learner's computed token positions of this kind."""
         computed = self.learner_tokens["computed"]
         return self.learner_tokens[kind] / computed if computed else None
+
+    def report(self, summary: RunSummary) -> None:
+        """Writes summary.json and report.png, closes the trackers, prints the outcome."""
+        run_dir = self.plan.run_dir
+        (run_dir / "summary.json").write_text(summary.to_json())
+        self.trackers.summary(summary.__dict__)
+        self.trackers.close()
+        # matplotlib (27 MiB) loads once the actors are gone, out of the run's memory peak
+        from rlray.observe.report import write_report
+
+        picture = write_report(run_dir)
+        print(
+            f"done: {summary.steps} steps, {summary.held_out_change()}, "
+            f"{summary.episodes_per_second:.1f} episodes/s, {summary.wall_seconds:.0f} s, "
+            f"{summary.optimizer_updates} optimizer updates"
+        )
+        if best := summary.best_eval:
+            where = best["checkpoint"] or f"the base model, {best['model']}"
+            print(f"best: {best['metric']} {best['value']:.3f} at step {best['step']} ({where})")
+        print(f"time: {describe_totals(summary.phase_seconds)}")
+        if summary.memory_peak_gib is not None:
+            largest = list(summary.memory_peak_by_process_gib.items())[:6]
+            shares = ", ".join(f"{name} {size:.2f}" for name, size in largest)
+            print(f"memory: peak {summary.memory_peak_gib:.2f} GiB (PSS: {shares}, ...)")
+        print(f"report: {picture}")
+        print(f"run directory: {run_dir}")
 
     def close(self) -> None:
         """Stops watching memory (the trackers close with the report, or at once if the
