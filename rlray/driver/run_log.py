@@ -193,7 +193,7 @@ class RunLog:
         (run_dir / "summary.json").write_text(summary.to_json())
         self.trackers.summary(summary.__dict__)
         self.trackers.close()
-        # matplotlib (27 MiB) loads once the actors are gone, out of the run's memory peak
+        # matplotlib loads once the actors are gone, out of the run's memory peak
         from rlray.observe.report import write_report
 
         picture = write_report(run_dir)
