@@ -21,8 +21,8 @@ def compile_decoder_layers(model: nn.Module) -> None:
     """Compiles each decoder layer's forward in place (torch.compile, inductor, dynamic
     shapes; parameter names unchanged). The layers share one compiled graph, and one
     more for passes without gradients. On CPU it fuses the norms', rotary's and
-    activation's elementwise work (BENCHMARKS.md). The compilation runs in this process
-    (no pool of compile workers beside the learner)."""
+    activation's elementwise work (BENCHMARKS.md#the-learner-on-a-gpu). The compilation
+    runs in this process (no pool of compile workers beside the learner)."""
     # imported only when asked: inductor adds to every learner process's memory
     import torch._inductor.config as inductor_config
 

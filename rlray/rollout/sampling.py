@@ -3,6 +3,7 @@ sampled call gives back."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,13 @@ def request_params(**settings: Any) -> Any:
     from vllm.sampling_params import SamplingParams  # not vllm's lazy top-level name
 
     return SamplingParams(**settings, skip_clone=True)
+
+
+def new_attempt() -> str:
+    """Returns a new generation attempt's tag, the last part of its episodes' ids: a batch
+    regenerated after a failure, or by a resumed run, gets new ids, so the store never
+    holds one id twice."""
+    return uuid.uuid4().hex[:8]
 
 
 def sampling_seed(run_seed: int, prompt_index: int, sample_index: int, turn: int = 0) -> int:
