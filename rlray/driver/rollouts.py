@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,9 +167,9 @@ class Rollouts:
 
     def idle_workers(self) -> list[int]:
         """Returns the rollout workers with room for another batch."""
-        generating = [item.worker_index for item in self.in_flight if item.generated is None]
+        generating = Counter(i.worker_index for i in self.in_flight if i.generated is None)
         workers = range(len(self.actors.rollout))
-        return [w for w in workers if generating.count(w) < self.batches_per_worker]
+        return [w for w in workers if generating[w] < self.batches_per_worker]
 
     def start(
         self,
