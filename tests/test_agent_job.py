@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -182,3 +183,81 @@ def test_the_example_agent_trains_through_the_endpoint_and_collects_held_out(job
     assert sorted(traces.values()) == list(range(24))
     assert all(e["trained_at"] is None for e in stored)
     assert "agent endpoint: http://127.0.0.1:" in output
+
+
+PLAY_AND_LEAVE = """
+import json, os, sys
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+from openai import OpenAI
+
+URL, TOKEN, TASKS = sys.argv[1], os.environ["RLRAY_AGENT_TOKEN"], int(sys.argv[2])
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def call(method, path, body=None):
+    request = Request(URL + path, body and json.dumps(body).encode(), HEADERS, method=method)
+    with urlopen(request) as response:
+        return response.status, json.loads(response.read() or b"null")
+
+
+played = 0
+while played < TASKS:
+    try:
+        status, work = call("GET", "/v1/tasks/next")
+    except HTTPError as err:
+        if err.code == 503:
+            continue
+        raise
+    client = OpenAI(base_url=work["base_url"], api_key=TOKEN, max_retries=60)
+    messages = [{"role": "user", "content": work["task"]["prompt"]}]
+    client.chat.completions.create(model="solver", messages=messages, max_tokens=4)
+    call("POST", f"/v1/traces/{work['trace_id']}/reward", {"reward": 0.5})
+    played += 1
+"""
+
+
+def test_a_run_whose_agents_stopped_ends_on_sigterm_and_stores_every_rewarded_trace(
+    job_env, tmp_path
+):
+    """Agents that played some tasks and went away leave the run waiting for traces
+    nobody plays: a SIGTERM ends it at once (not after a call timeout), exit 130 with one
+    line, and every trace whose reward was accepted is in the store."""
+    run_dir, out = tmp_path / "left", tmp_path / "left.out"
+    job = [str(REPO / "jobs" / "ppo.py"), "--agent.enabled", "true", "--learner.steps", "50"]
+    job += ["--rollout.prompts_per_batch", "8", "--learner.episodes_per_step", "32"]
+    # Long enough that a shutdown waiting on an absent agent's call could not pass.
+    job += ["--ray.call_timeout_s", "600", "--run-dir", str(run_dir)]
+    agent = tmp_path / "play_and_leave.py"
+    agent.write_text(PLAY_AND_LEAVE)
+    env = {**job_env, "RLRAY_AGENT_TOKEN": TOKEN}
+    errors = out.with_suffix(".err")
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, *job], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr
+        )
+        try:
+            for line in process.stdout:
+                if line.startswith(b"agent endpoint: "):
+                    break
+            url = line.decode().split()[-1]
+            played = subprocess.run(
+                [sys.executable, str(agent), url, "12"],
+                env={"PATH": env["PATH"], "RLRAY_AGENT_TOKEN": TOKEN},
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert played.returncode == 0, played.stderr[-3000:]
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=120)  # a call timeout is 600 s
+        finally:
+            process.kill()
+    err = errors.read_text()
+    assert process.returncode == 130, err[-3000:]
+    assert "\nppo.py: interrupted" in err, err[-3000:]
+    assert "at the run's end" in err and "traces not handed out" in err, err[-3000:]
+    stored = read(str(run_dir / "episodes")).to_pylist()
+    rewarded = {json.loads(e["columns"])["trace_id"] for e in stored if e["reward"] == 0.5}
+    assert len(rewarded) == 12

@@ -120,7 +120,7 @@ def grouped(version: int, sizes: list[int], batch_id: int) -> BufferedBatch:
 def test_a_step_never_takes_more_than_it_asks_for_a_batch_is_split_between_groups():
     """Agent batches hold more episodes than they reserved (a model call's episode each):
     a step takes the groups that fit, and the rest of the batch waits for the next."""
-    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=1)
     for batch_id, sizes in enumerate(([3, 5, 2], [4, 4])):
         assert buffer.reserve(4)
         buffer.add(grouped(0, sizes, batch_id), reserved=4)
@@ -139,7 +139,7 @@ def test_a_step_never_takes_more_than_it_asks_for_a_batch_is_split_between_group
 
 
 def test_a_first_group_bigger_than_the_step_is_taken_alone():
-    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=1)
     assert buffer.reserve(4)
     buffer.add(grouped(0, [9, 1], 0), reserved=4)
     taken = buffer.take(8, learner_version=0)
@@ -155,3 +155,29 @@ def test_batches_of_whole_groups_that_fit_are_taken_whole():
     taken = buffer.take(8, learner_version=0)
     assert [b.ref for b in taken.batches] == [["ref-0"], ["ref-1"]]
     assert taken.rest is None and taken.depth_episodes == 4
+
+
+def test_the_rest_of_a_split_batch_that_the_next_step_would_find_stale_is_dropped_now():
+    """Strictly on-policy, what a step leaves of an agent batch would be stale at the
+    next: it is dropped with this take, counted, so that the producer's count of what
+    the buffer will train stays true (a later take would drop it, and report it only if
+    it could fill a step)."""
+    buffer = EpisodeBuffer(capacity_episodes=64, max_staleness=0)
+    for batch_id, sizes in enumerate(([4] * 7, [4] * 6)):
+        assert buffer.reserve(16)
+        buffer.add(grouped(0, sizes, batch_id), reserved=16)
+    taken = buffer.take(32, learner_version=0)
+    assert sum(b.num_episodes for b in taken.batches) == 32
+    assert taken.rest is None and taken.depth_episodes == 0
+    assert [(b.ref, b.num_episodes) for b in taken.dropped] == [(["ref-1", 1, 6], 20)]
+    assert buffer.stats()["dropped_stale"] == 20
+
+
+def test_batches_without_group_sizes_are_taken_whole():
+    """Rollout batches are sized to the step: taken whole, as they always were."""
+    buffer = EpisodeBuffer(capacity_episodes=512, max_staleness=0)
+    for batch_id, size in enumerate((140, 256)):
+        assert buffer.reserve(256)
+        buffer.add(batch(0, size=size, batch_id=batch_id), reserved=256)
+    taken = buffer.take(256, learner_version=0)
+    assert [b.num_episodes for b in taken.batches] == [140, 256] and taken.rest is None

@@ -162,7 +162,7 @@ def test_a_resume_mid_flight_with_partial_rollouts_trains_no_prompt_twice(job_en
     colocated actor's death regenerates exactly those before going on."""
     run_dir = tmp_path / "partial"
     args = [*SHORT_RUN, "--config", str(REPO / "examples" / "countdown.yaml")]
-    args += ["--ray.placement", "colocated", "--learner.steps", "10"]
+    args += ["--ray.placement", "colocated", "--learner.steps", "6"]
     args += ["--learner.checkpoint_every", "1", "--ray.max_job_restarts", "1"]
     # A group is carried only while it stays fresh enough to train: generation a batch
     # ahead, and a group carried to the next batch, make two versions.

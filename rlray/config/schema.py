@@ -474,10 +474,9 @@ class LearnerConfig:
     steps: int = positive(150)
     """Learner steps (policy updates of one batch of episodes) in the run."""
     episodes_per_step: int = positive(256)
-    """Episodes a learner step trains, at most: it takes whole groups, so a batch that
-    would overfill it (an agent batch, a model call's episode each) is split between its
-    groups and the rest waits for the next step. Make it a multiple of the rollout batch
-    for steps of whole batches."""
+    """Episodes in one learner step: a multiple of the rollout batch. An agent batch (a
+    model call's episode each) may hold more than it reserved: a step takes at most
+    this many of them, in whole groups, and the rest waits for the next step."""
     epochs: int = positive(1)
     """Passes over each step's episodes. The default, one pass of one mini-batch (one
     update per step), takes the logprobs before the update from its own forward pass

@@ -154,7 +154,9 @@ class TrainingDriver:
             num_episodes=item.generated.episodes - score.uniform_episodes,
             first_prompt_index=_first_prompt_index(item),
             batch_id=self.next_batch_id,
-            group_sizes=score.group_sizes,
+            # An agent batch's episodes are its traces' model calls, more than it reserved:
+            # a step may take part of it (rollout batches are sized to steps).
+            group_sizes=score.group_sizes if self.actors.agent is not None else [],
             group_prompts=score.group_prompts,
         )
         self.next_batch_id += 1

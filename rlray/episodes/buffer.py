@@ -4,10 +4,12 @@ The buffer never looks inside a batch: it holds an opaque reference (a Ray Objec
 wrapped in a list so Ray does not resolve it) plus the few numbers it needs to apply
 backpressure and the staleness rule. The learner resolves the references itself.
 
-A learner step never takes more than the episodes it asks for. A batch that would
-overfill a step (an agent batch, whose traces make a model call's episode each) is
-split between its groups: the step takes the groups that fit, the rest stay at the
-buffer's head for the next step, and each part's reference names its groups,
+A learner step never takes more than the episodes it asks for where a batch says how
+its groups are sized: an agent batch, whose traces make a model call's episode each
+(rollout batches are sized to the step and taken whole). One that would overfill a
+step is split between its groups: the step takes the groups that fit, the rest stay at the
+buffer's head for the next step (or are dropped at once, stored untrained, where the
+next step would find them stale), and each part's reference names its groups,
 `[ref, start, stop]` (rlray.cluster.calls.resolve_episodes reads them).
 """
 
@@ -30,7 +32,8 @@ class BufferedBatch:
     external: bool = False
     """Posted to the ingestion endpoint: off-policy by design, never dropped as stale."""
     group_sizes: list[int] = field(default_factory=list)
-    """Episodes of each of its groups, in order; empty: the batch is never split."""
+    """Episodes of each of its groups, in order (an agent batch's); empty: the batch is
+    never split."""
     group_prompts: list[int] = field(default_factory=list)
     """The prompt index of each of its groups (the driver's checkpoints name them)."""
 
@@ -118,27 +121,33 @@ class EpisodeBuffer:
 
     def take(self, num_episodes: int, learner_version: int) -> TakenBatches | None:
         """Drops stale batches, then removes and returns the oldest fresh batches, at most
-        `num_episodes` in all (a batch that does not fit is split between its groups;
-        a first group bigger than the step is taken alone), with every batch dropped
-        since the last take; returns None while fewer fresh episodes are here."""
+        `num_episodes` in all: a batch with group sizes that does not fit is split between
+        its groups (a first group bigger than the step is taken alone), and what is left
+        of it is dropped now if the next step would find it stale. Returns with them
+        every batch dropped since the last take; None while fewer fresh episodes are
+        here."""
         self._drop_stale(learner_version)
         if self.depth_episodes < num_episodes:
             return None
         count, batches, rest = 0, [], None
         while self._batches and count < num_episodes:
             batch = self._batches[0]
-            if count + batch.num_episodes <= num_episodes or not (batches or batch.group_sizes):
-                batches.append(self._batches.popleft())
+            if count + batch.num_episodes <= num_episodes or not batch.group_sizes:
+                batches.append(self._batches.popleft())  # whole, as rollout batches are
                 count += batch.num_episodes
                 continue
-            if batch.group_sizes:  # else it cannot be split: the next step takes it
-                head, remaining = batch.split(num_episodes - count, at_least_one=not batches)
-                if head is not None:
-                    self._batches[0] = rest = remaining
-                    batches.append(head)
-                    count += head.num_episodes
+            head, remaining = batch.split(num_episodes - count, at_least_one=not batches)
+            if head is not None:
+                self._batches[0] = rest = remaining
+                batches.append(head)
+                count += head.num_episodes
             break
         self.depth_episodes -= count
+        if rest is not None and self.is_stale(rest, learner_version + 1):
+            # The next step would find it stale: dropped now (stored, never trained), so
+            # that this take reports it and the producer's count stays true.
+            self._drop(self._batches.popleft())
+            rest = None
         dropped, self._dropped_unreported = self._dropped_unreported, []
         taken = TakenBatches(batches, dropped, self.depth_episodes, self.dropped_stale_episodes)
         taken.rest = rest
@@ -148,12 +157,15 @@ class EpisodeBuffer:
         kept: deque[BufferedBatch] = deque()
         for batch in self._batches:
             if self.is_stale(batch, learner_version):
-                self._dropped_unreported.append(batch)
-                self.depth_episodes -= batch.num_episodes
-                self.dropped_stale_episodes += batch.num_episodes
+                self._drop(batch)
             else:
                 kept.append(batch)
         self._batches = kept
+
+    def _drop(self, batch: BufferedBatch) -> None:
+        self._dropped_unreported.append(batch)
+        self.depth_episodes -= batch.num_episodes
+        self.dropped_stale_episodes += batch.num_episodes
 
     def restore(self, batches: list[BufferedBatch], reserved_episodes: int) -> None:
         """Refills a buffer that was restarted empty with what its producer knows it held
