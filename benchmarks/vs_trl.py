@@ -35,9 +35,9 @@ went (rlray's driver phases; TRL's generating and scoring, and the rest of its s
 masked until then), one optimizer update per step; rlray with 1 and 2 rollout workers
 against TRL. The first step is warm-up and is not counted. rlray's learner splits each
 step into micro-batches of at most 64 episodes and, with --micro-batch-tokens N, N tokens
-(learner.micro_batch_tokens; the job's default, 2048 on CPU, without it): on the CPU a
-micro-batch of a few thousand tokens trains faster than one of 64 long episodes
-(benchmarks/micro_batches.py).
+(learner.micro_batch_tokens; without it the size's own in SIZES, else the job's
+default): on the CPU a micro-batch of a few thousand tokens trains faster than one of 64
+long episodes (benchmarks/micro_batches.py).
 
 Runs whose result exists under --out are read, not re-run.
 """
@@ -74,10 +74,12 @@ TRL_VERSION = "1.16.0"
 PUBLISHED_JOB = REPO / "examples" / "smollm2-arithmetic.yaml"
 WALL_TIMES = (25, 50, 100, 150, 200)
 THRESHOLDS = (0.5, 0.6, 0.65)
-# name: (hidden, layers, episodes per step); heads of head_dim 64, MLP 4x hidden, the
-# 20-token character vocabulary. Fewer episodes per step as models grow, so that a step
-# of the largest stays short enough to time several of on a CPU.
-SIZES = {"0.5M": (128, 2, 256), "10M": (256, 12, 64), "100M": (768, 14, 16)}
+# name: (hidden, layers, episodes per step, learner.micro_batch_tokens or None for the
+# job's default); heads of head_dim 64, MLP 4x hidden, the 20-token character
+# vocabulary. Fewer episodes per step as models grow, so that a step of the largest stays
+# short enough to time several of on a CPU; its micro-batches hold 4 episodes of 272
+# tokens, so that one step's activations stay within the learner's share of memory.
+SIZES = {"0.5M": (128, 2, 256, None), "10M": (256, 12, 64, None), "100M": (768, 14, 16, 1100)}
 
 
 # --- TRL's virtualenv ---------------------------------------------------------------
@@ -429,16 +431,16 @@ def throughput(args: argparse.Namespace) -> None:
     for size in args.sizes:
         for length in args.lengths:
             model, params = random_model(size, length)
-            episodes = SIZES[size][2]
+            episodes, micro_batch_tokens = SIZES[size][2:]
             results = {
                 f"rlray, {n} rollout worker{'s' * (n > 1)}": throughput_rlray(
-                    model, length, episodes, n, args
+                    model, length, (episodes, micro_batch_tokens), n, args
                 )
                 for n in args.rollout_workers
             }
             if args.colocated:  # the learner and its engine in one process, taking turns
                 results["rlray, colocated"] = throughput_rlray(
-                    model, length, episodes, 1, args, placement="colocated"
+                    model, length, (episodes, micro_batch_tokens), 1, args, "colocated"
                 )
             results["TRL"] = throughput_trl(model, length, episodes, args)
             for system, o in results.items():
@@ -460,7 +462,7 @@ def throughput(args: argparse.Namespace) -> None:
 def random_model(size: str, length: int) -> tuple[str, int]:
     """Returns the directory and parameter count of the random model of that size, with a
     context window for an arithmetic prompt and `length` completion tokens."""
-    hidden, layers, _ = SIZES[size]
+    hidden, layers, _, _ = SIZES[size]
     positions = length + 16
     out = cache_dir() / "models" / f"random-qwen2-{size}-ctx{positions}"
     if not (out / "params.json").is_file():
@@ -469,13 +471,12 @@ def random_model(size: str, length: int) -> tuple[str, int]:
     return str(out), json.loads((out / "params.json").read_text())["parameters"]
 
 
-def throughput_shape(length: int, episodes: int, args: argparse.Namespace) -> list[str]:
+def throughput_shape(
+    length: int, episodes: int, micro_batch_tokens: int | None, args: argparse.Namespace
+) -> list[str]:
     """The job arguments of a throughput run: one update per step on every episode."""
-    budget = (
-        []
-        if args.micro_batch_tokens is None
-        else ["--learner.micro_batch_tokens", str(args.micro_batch_tokens)]
-    )
+    tokens = args.micro_batch_tokens or micro_batch_tokens
+    budget = [] if tokens is None else ["--learner.micro_batch_tokens", str(tokens)]
     return [
         "--rollout.max_new_tokens", str(length),
         "--rollout.min_new_tokens", str(length),
@@ -496,7 +497,7 @@ def throughput_shape(length: int, episodes: int, args: argparse.Namespace) -> li
 def throughput_rlray(
     model: str,
     length: int,
-    episodes: int,
+    step: tuple[int, int | None],
     workers: int,
     args: argparse.Namespace,
     placement: str = "disaggregated",
@@ -505,7 +506,7 @@ def throughput_rlray(
     job += ["--ray.placement", placement]
     name = f"rlray-{Path(model).name}-len{length}-workers{workers}"
     name += "-colocated" if placement == "colocated" else ""
-    shape = throughput_shape(length, episodes, args)
+    shape = throughput_shape(length, *step, args)
     return run_rlray([*job, *shape], args.out / name, learning=False)
 
 

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from rlray.config import ConfigError, RewardSpec
-from rlray.learner.rl import component_means
+from rlray.core.stats import component_means
 from rlray.rewards.loading import absolute_spec_path, check_rewards, scheduled_weight
 from rlray.rewards.process import InProcessRewards, RewardProcess
 from rlray.rewards.worker import RewardWorker

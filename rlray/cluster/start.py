@@ -30,6 +30,7 @@ from rlray.cluster.roles import (
     rollout_actor_class,
 )
 from rlray.cluster.serving import endpoint_options, free_port
+from rlray.cluster.simulated import SimulatedLearnerActor, SimulatedRolloutActor
 from rlray.config import Config, agent_token, ingest_token, weight_sync
 from rlray.core.checkpoints import checkpoint_version
 from rlray.core.idle_cores import IdleCores
@@ -282,6 +283,8 @@ def _start_rollout_workers(
     # reach them with the first weight sync, so the checkpoint need not be on their node.
     rollout_model = _model_for_actors(config, model_path)
     version = checkpoint_version(checkpoint) if checkpoint else 0
+    if config.rollout.backend == "simulated":
+        return _start_simulated_workers(config, names, run_id, version, placement, awaits_weights)
     env = {"env_vars": vllm_env(config.rollout)}
     rollout = replace(config.rollout, weight_sync=weight_sync(config))
     if config.agent.enabled:
@@ -308,6 +311,35 @@ def _start_rollout_workers(
             awaits_weights=awaits_weights,
             engine_log=engine_log(config, name),
             lends_cores=config.learner.borrow_idle_cores,
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def _start_simulated_workers(
+    config: Config,
+    names: list[str],
+    run_id: str,
+    version: int,
+    placement: Placement,
+    awaits_weights: bool,
+) -> list[Any]:
+    """Starts simulated engines in the rollout workers' places (rlray.cluster.simulated)."""
+    return [
+        ray.remote(SimulatedRolloutActor)
+        .options(
+            name=name,
+            max_restarts=config.ray.max_actor_restarts,
+            **placement.actor_options("rollout", i),
+        )
+        .remote(
+            name,
+            config.rollout,
+            config.simulator,
+            run_id,
+            config.seed + i,
+            version,
+            awaits_weights=awaits_weights,
         )
         for i, name in enumerate(names)
     ]
@@ -377,6 +409,11 @@ def _reward_arguments(config: Config, name: str) -> tuple:
 def _start_learners(
     config: Config, model_path: str, run_id: str, checkpoint: str | None, placement: Placement
 ) -> LearnerGroup:
+    if config.learner.backend == "simulated":
+        (name,) = learner_names(1)
+        options = placement.actor_options("learner", 0)
+        actor = ray.remote(SimulatedLearnerActor).options(name=name, **options)
+        return LearnerGroup([actor.remote(run_id, config, checkpoint)])
     device = "cuda" if config.learner.gpus > 0 else "cpu"
     count = config.learner.num_workers
     group = LearnerGroup([])

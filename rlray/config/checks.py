@@ -347,6 +347,33 @@ def _evaluation(config: Config) -> None:
         )
 
 
+def _simulator(config: Config) -> None:
+    rollout, learner = config.rollout.backend, config.learner.backend
+    if (rollout == "simulated") != (learner == "simulated"):
+        raise ConfigError(
+            f"rollout.backend {rollout} with learner.backend {learner}: the simulated "
+            "engine and learner run together (their logprobs and weights are each other's)"
+        )
+    if rollout != "simulated":
+        return
+    learners, sync = config.learner.num_workers, config.rollout.weight_sync
+    where = [
+        "ray.placement colocated" if config.ray.placement == "colocated" else "",
+        "agent.enabled" if config.agent.enabled else "",
+        "ingest.train" if config.ingest.enabled and config.ingest.train else "",
+        "rollout.environment" if config.rollout.environment else "",
+        "rollout.in_flight_updates" if config.rollout.in_flight_updates else "",
+        f"learner.num_workers {learners}" if learners > 1 else "",
+        f"rollout.weight_sync {sync}" if sync in ("nccl", "gloo") else "",
+    ]
+    problem = next((w for w in where if w), None)
+    if problem:
+        raise ConfigError(
+            f"rollout.backend simulated with {problem}: the simulator models single-turn "
+            "batches, one learner and the object-store weight sync, disaggregated"
+        )
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     _lora,
     _compile,
@@ -362,5 +389,6 @@ RULES: tuple[Callable[[Config], None], ...] = (
     _agent,
     _rewards,
     _evaluation,
+    _simulator,
 )
 """The rules between fields, in the order they are checked."""

@@ -58,6 +58,8 @@ KLMode = Literal["reward", "loss"]
 PreferenceLoss = Literal["sigmoid", "ipo"]
 RolloutCorrection = Literal["token", "sequence", "geometric", "off"]
 CpuMatmul = Literal["auto", "onednn", "torch"]
+RolloutBackend = Literal["vllm", "simulated"]
+LearnerBackend = Literal["torch", "simulated"]
 
 
 # ---------------------------------------------------------------- ranges
@@ -223,6 +225,11 @@ class RolloutConfig:
 
     num_workers: int = positive(1)
     """Rollout actors, each with its own vLLM engine."""
+    backend: RolloutBackend = "vllm"
+    """vllm: the engine. simulated: a simulator for control-plane benchmarks only, never
+    for training (docs/scale.md): no model and no vLLM; token ids and logprobs follow
+    from the seed and the policy version, and each call takes the time the simulator
+    profile models (the simulator section). Needs learner.backend simulated."""
     prompts_per_batch: int = positive(64)
     """Prompts in one generate call; a rollout batch is prompts x samples episodes."""
     samples_per_prompt: int = positive(4)
@@ -555,6 +562,11 @@ class LearnerConfig:
     resources: dict[str, float] = non_negative(factory=dict)
     """Custom Ray resources for the learner, e.g. {learner_node: 1} to give it a node of
     its own."""
+    backend: LearnerBackend = "torch"
+    """torch: the learner. simulated: a simulator for control-plane benchmarks only
+    (docs/scale.md): no model; a step takes the time the simulator profile models for
+    its tokens and publishes weights of simulator.weight_bytes. Needs rollout.backend
+    simulated."""
 
     @property
     def minibatch_episodes(self) -> int:
@@ -728,6 +740,24 @@ class AgentConfig:
 
 
 @dataclass
+class SimulatorConfig:
+    """The simulated engine and learner (rollout.backend and learner.backend simulated):
+    for control-plane benchmarks on machines without the GPUs they model (docs/scale.md).
+    Everything else in a run is the real code."""
+
+    profile: str = ""
+    """A YAML file of the modelled engine's and learner's rates, each with its source
+    (rlray/simulator/profiles/); empty: the built-in 7B model on H100s."""
+    time_scale: float = positive(1.0)
+    """Each modelled duration is slept for this share of it: below 1 a benchmark runs
+    the modelled steps faster than real time (the control plane's own time is not
+    scaled)."""
+    weight_bytes: int = non_negative(0)
+    """Bytes of each published weights object; 0: the profile's model size. The
+    modelled load time is the profile's either way."""
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking besides TensorBoard."""
 
@@ -792,6 +822,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 

@@ -154,3 +154,11 @@ def publish_sealed(staging: Path) -> Path:
     (root / f"{LATEST}.tmp").write_text(final.name)
     (root / f"{LATEST}.tmp").rename(root / LATEST)
     return final
+
+
+def resume_point(checkpoint: str | None) -> tuple[int, int]:
+    """Returns (policy version, prompt cursor) of a checkpoint; (0, 0) without one."""
+    if not checkpoint:
+        return 0, 0
+    state = json.loads((Path(checkpoint) / STATE).read_text())
+    return int(state["version"]), int(state["prompt_cursor"])

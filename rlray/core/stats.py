@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlray.core.episode import Episode
 
 
 @dataclass
@@ -139,3 +142,20 @@ class StoreStats:
     files_written: int
     buffered: int
     uploads_pending: int
+
+
+def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
+    """Returns how many versions behind the learner this run's episodes were, on average
+    (posted episodes are left out; 0.0 if none is left)."""
+    own = [learner_version - e.policy_version for e in episodes if e.prompt_index >= 0]
+    return sum(own) / len(own) if own else 0.0
+
+
+def component_means(episodes: list[Episode]) -> dict[str, float]:
+    """Returns each reward component's mean over the episodes it has a value for."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in episode.reward_components.items():
+            if value is not None:
+                values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in values.items()}

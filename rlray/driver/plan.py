@@ -108,6 +108,17 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     if config.rollout.environment:
         load_environment(config.rollout.environment)
     model_path = resolve_model_path(config.model.path)
+    if config.rollout.backend != "simulated":  # a simulated engine reads no tokenizer
+        _check_model_fits(config, model_path, prompts, held_out)
+    config.run_dir = str(run_dir)
+    return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
+
+
+def _check_model_fits(
+    config: Config, model_path: str, prompts: PromptSource, held_out: list[PromptRow]
+) -> None:
+    """Raises ConfigError unless the model takes the run's stop tokens and every prompt
+    fits its context window with its completion, read by the model's tokenizer."""
     limits = model_limits(model_path, config.model.max_model_len)
     _check_stop_token_ids(config.rollout.stop_token_ids, limits)
     sources = {"data.train": prompts.longest_prompts(), "data.eval": held_out}
@@ -119,16 +130,17 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
         )
         if warning := lost_characters_warning(rows, [t.read_as for t in read], source):
             logger.warning("warning: %s", warning)
-    config.run_dir = str(run_dir)
-    return RunPlan(config, run_dir, run_dir.name, model_path, prompts, held_out, checkpoint)
 
 
 def check_machine(config: Config) -> None:
     """Raises ConfigError for what a new local Ray on this machine cannot run: more rollout
     or learner workers than it has cores (each runs an engine or a learner on one at
     least), a KV cache beyond its memory. Joining a cluster (ray.address, RAY_ADDRESS),
-    its nodes decide."""
+    its nodes decide. Simulated engines and learners (rollout.backend simulated) need no
+    core of their own."""
     if config.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    if config.rollout.backend == "simulated":
         return
     cores = os.cpu_count() or 1
     for name, workers in (

@@ -15,7 +15,6 @@ a corrupted sync) plus staleness.
 from __future__ import annotations
 
 import itertools
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -29,12 +28,17 @@ from transformers import AutoTokenizer
 from rlray.algorithms import rl_math as rm
 from rlray.algorithms.algorithm import Advantages, Algorithm, MicroBatch, StepInputs
 from rlray.config import AlgorithmConfig, LearnerConfig, ModelConfig
-from rlray.core.checkpoints import publish_sealed, seal_checkpoint, staging_directory
+from rlray.core.checkpoints import (
+    publish_sealed,
+    resume_point,
+    seal_checkpoint,
+    staging_directory,
+)
 from rlray.core.episode import Episode, ModelLimits, validate_episodes
 from rlray.core.files import writing
 from rlray.core.groups import check_whole_groups, group_indexes, sample_indexes
 from rlray.core.parity import ParitySample
-from rlray.core.stats import StepMetrics
+from rlray.core.stats import StepMetrics, component_means, staleness_mean
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
 from rlray.learner.batches import MiniBatchTotals, Outputs, TokenBatch, TokenCounts, collate
@@ -111,7 +115,7 @@ class Learner:
         self.pad_token_id = _pad_token_id(self.tokenizer)
         vocab_size = self.engine.policy.get_input_embeddings().num_embeddings
         self.limits = ModelLimits(vocab_size=vocab_size, max_model_len=model.max_model_len)
-        self.version, self.prompt_cursor = _resume_point(checkpoint)
+        self.version, self.prompt_cursor = resume_point(checkpoint)
         self.fuse_old_logprobs = True
         self.parity_episodes: list[Episode] = []  # the last step's, for the sync check
         self.sender: Any = None  # rlray.weights.transfer.TransferSender, once opened
@@ -505,30 +509,5 @@ def _pad_token_id(tokenizer: Any) -> int:
     return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
-def _resume_point(checkpoint: str | None) -> tuple[int, int]:
-    """Returns (policy version, prompt cursor) of a checkpoint; (0, 0) without one."""
-    if not checkpoint:
-        return 0, 0
-    state = json.loads((Path(checkpoint) / "state.json").read_text())
-    return int(state["version"]), int(state["prompt_cursor"])
-
-
 def _rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     return None if tensor is None else tensor[rows]
-
-
-def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
-    """Returns how many versions behind the learner this run's episodes were, on average
-    (posted episodes are left out; 0.0 if none is left)."""
-    own = [learner_version - e.policy_version for e in episodes if e.prompt_index >= 0]
-    return sum(own) / len(own) if own else 0.0
-
-
-def component_means(episodes: list[Episode]) -> dict[str, float]:
-    """Returns each reward component's mean over the episodes it has a value for."""
-    values: dict[str, list[float]] = {}
-    for episode in episodes:
-        for name, value in episode.reward_components.items():
-            if value is not None:
-                values.setdefault(name, []).append(value)
-    return {name: sum(v) / len(v) for name, v in values.items()}
