@@ -62,6 +62,7 @@ from rlray.core.stats import GenerateStats, ScoreStats
 from rlray.driver.recovery import Recovery
 from rlray.driver.rollouts import InFlight, Rollouts
 from rlray.driver.store_writes import StoreWrites
+from rlray.driver.weight_relay import relay_waves
 from rlray.episodes.buffer import BufferedBatch
 from rlray.observe.timing import PhaseClock
 
@@ -447,35 +448,43 @@ def check_stored_once(stored: dict[str, int], sent: int, counted: list[int], wha
 
 def measure_weights(bench: Bench, workers: int) -> dict[str, float]:
     """For each size: the learner publishes its weights once, and every one of W engines
-    pulls them to its node; returns the median seconds to publish and, after that, until
-    the last engine holds them."""
+    pulls them to its node, all at once and then, in turn with that, node by node as
+    rollout.weight_relay orders it (relay_waves); returns the median seconds to publish
+    and, after that, until the last engine holds them, each way."""
     figures: dict[str, float] = {}
     engines = bench.workers[:workers]
-    nodes = 0
+    nodes: list[str] = []
+    head = bench.cluster.head_node.node_id
     for size_mb in bench.args.sizes_mb:
-        publish, spread = [], []
+        publish, spread, relayed = [], [], []
         for version in range(bench.args.repeats):
-            started = time.perf_counter()
-            published = bench.learner.publish.remote(version, size_mb * 2**20)
-            ready, _ = ray.wait([published], timeout=TIMEOUT_S, fetch_local=False)
-            assert ready, "the learner did not publish its weights in time"
-            sent = time.perf_counter()
-            holders = wait_all([e.hold.remote([published]) for e in engines], "weights held")
-            nodes = len(set(holders))
-            done = time.perf_counter()
-            publish.append(sent - started)
-            spread.append(done - sent)
-            del published
+            for relay in (False, True):
+                started = time.perf_counter()
+                published = bench.learner.publish.remote(2 * version + relay, size_mb * 2**20)
+                ready, _ = ray.wait([published], timeout=TIMEOUT_S, fetch_local=False)
+                assert ready, "the learner did not publish its weights in time"
+                sent = time.perf_counter()
+                waves = relay_waves(nodes, head) if relay else [list(range(len(engines)))]
+                for wave in waves:
+                    held = wait_all([engines[i].hold.remote([published]) for i in wave], "held")
+                (relayed if relay else spread).append(time.perf_counter() - sent)
+                nodes = nodes if relay else held  # each engine's node, from the flat pull
+                publish.append(sent - started)
+                del published
         publish_s, spread_s = statistics.median(publish), statistics.median(spread)
+        relay_s = statistics.median(relayed)
+        count = len(set(nodes))
         print(
-            f"  c. weights: {size_mb} MiB to {workers} engines on {nodes} nodes: published "
-            f"in {publish_s:.2f} s, held by all {spread_s:.2f} s later"
+            f"  c. weights: {size_mb} MiB to {workers} engines on {count} nodes: published "
+            f"in {publish_s:.2f} s, held by all {spread_s:.2f} s later ({relay_s:.2f} s "
+            f"node by node, in {len(relay_waves(nodes, head))} waves)"
         )
         figures[f"publish_{size_mb}mb_s"] = publish_s
         figures[f"broadcast_{size_mb}mb_s"] = spread_s
-        figures["weights_nodes"] = nodes
-        into_nodes = size_mb * 2**20 * nodes / 1e9
-        figures[f"broadcast_{size_mb}mb_gb_per_s"] = into_nodes / statistics.median(spread)
+        figures[f"relay_{size_mb}mb_s"] = relay_s
+        figures["weights_nodes"] = count
+        into_nodes = size_mb * 2**20 * count / 1e9
+        figures[f"broadcast_{size_mb}mb_gb_per_s"] = into_nodes / spread_s
     return figures
 
 
@@ -676,6 +685,9 @@ def weight_figures(sizes_mb: list[int]) -> list[tuple[str, str, str]]:
     for size in sizes_mb:
         rows.append((f"publish_{size}mb_s", f"c. weights {size} MiB: s to publish", "{:.2f}"))
         rows.append((f"broadcast_{size}mb_s", f"c. weights {size} MiB: s until all hold", "{:.2f}"))
+        rows.append(
+            (f"relay_{size}mb_s", f"c. weights {size} MiB: the same, node by node", "{:.2f}")
+        )
         rows.append(
             (f"broadcast_{size}mb_gb_per_s", f"c. weights {size} MiB: GB/s into nodes", "{:.2f}")
         )

@@ -2,8 +2,9 @@
 pyproject.toml):
 
 - torch, transformers and vLLM are not loaded at import time by any module of the
-  driver's side (core, driver, cluster, episodes, observe, agent): each package is imported
-  whole in a fresh interpreter, and what it loaded is read from sys.modules;
+  driver's side (core, driver, cluster, episodes, observe, agent) and the simulator:
+  each package is imported whole in a fresh interpreter, and what it loaded is read
+  from sys.modules;
 - a function-level import has its reason beside it (a comment on its line or the line
   above): a torch-free process, an optional dependency, a child process. Imports that
   only dodged a cycle have no place left.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "rlray"
-TORCH_FREE = ("core", "driver", "cluster", "episodes", "observe", "agent")
+TORCH_FREE = ("core", "driver", "cluster", "episodes", "observe", "agent", "simulator")
 HEAVY = ("torch", "transformers", "vllm")
 
 

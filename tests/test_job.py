@@ -563,6 +563,7 @@ def test_two_workers_with_staleness_one_overlap_generation_and_training(overlap_
     staleness = [step - 1 - min(v) for step, v in enumerate(versions, 1)]
     assert all(0 <= s <= 1 for s in staleness) and 1 in staleness, staleness
     assert [r["staleness_mean"] for r in records] == staleness
+    assert [r["staleness_max"] for r in records] == staleness  # one version a batch
     # Measurable overlap: some batch finished generating while the learner trained the
     # step before, in [trained_at - learner_seconds, trained_at] (measured: 4 of 5 did).
     inside = [

@@ -25,6 +25,7 @@ from rlray.config.schema import (
     eval_rewards,
     field_types,
     ingest_token,
+    weight_sync,
 )
 from rlray.core.evaluation import metric_names
 
@@ -374,6 +375,16 @@ def _simulator(config: Config) -> None:
         )
 
 
+def _weight_relay(config: Config) -> None:
+    path = weight_sync(config)
+    if config.rollout.weight_relay and path != "object_store":
+        how = "in memory (ray.placement colocated)" if path == "in_memory" else f"by {path}"
+        raise ConfigError(
+            "rollout.weight_relay orders the object-store weight sync's loads; this run's "
+            f"weights go {how}"
+        )
+
+
 RULES: tuple[Callable[[Config], None], ...] = (
     _lora,
     _compile,
@@ -390,5 +401,6 @@ RULES: tuple[Callable[[Config], None], ...] = (
     _rewards,
     _evaluation,
     _simulator,
+    _weight_relay,
 )
 """The rules between fields, in the order they are checked."""

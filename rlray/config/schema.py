@@ -290,6 +290,12 @@ class RolloutConfig:
     from the learner's GPU into every worker's engine, tensor by tensor. gloo: the same
     engine over a gloo group, on CPU. auto: nccl when the learner (learner.gpus) and the
     rollout workers (gpus_per_worker) have GPUs, else object_store."""
+    weight_relay: bool = False
+    """With the object-store weight sync: the workers load each version node by node,
+    in waves that double the nodes holding it (each node pulls it from one that holds
+    it), so that the learner's node sends it about log2(nodes) times rather than once a
+    node (docs/scale.md). For rollout workers spread over many nodes; a sync takes a
+    wave more per doubling."""
     in_flight_updates: bool = False
     """Weight syncs load the new weights while requests run: the engine pauses between
     two of its steps, loads them and goes on, and the running requests finish under the

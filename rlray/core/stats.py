@@ -60,6 +60,9 @@ class StepMetrics:
     """Of those, the padding: columns of a micro-batch past a row's own tokens."""
     learner_borrowed_tokens: int = 0
     """Of those, the ones computed with idle rollout cores lent (learner.borrow_idle_cores)."""
+    staleness_max: int = 0
+    """The most versions behind the learner that an episode of the step was (posted
+    episodes left out): never above buffer.max_staleness."""
 
 
 def metrics_dict(metrics: StepMetrics) -> dict[str, Any]:
@@ -149,6 +152,14 @@ def staleness_mean(episodes: list[Episode], learner_version: int) -> float:
     (posted episodes are left out; 0.0 if none is left)."""
     own = [learner_version - e.policy_version for e in episodes if e.prompt_index >= 0]
     return sum(own) / len(own) if own else 0.0
+
+
+def staleness_max(episodes: list[Episode], learner_version: int) -> int:
+    """Returns the most versions behind the learner that one of this run's episodes was
+    (posted episodes are left out; 0 if none is left)."""
+    return max(
+        (learner_version - e.policy_version for e in episodes if e.prompt_index >= 0), default=0
+    )
 
 
 def component_means(episodes: list[Episode]) -> dict[str, float]:

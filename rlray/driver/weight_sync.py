@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlray.cluster.calls import ActorFailure
@@ -32,12 +33,22 @@ from rlray.cluster.start import Actors
 from rlray.cluster.telemetry import Telemetry
 from rlray.config import Config, weight_sync
 from rlray.driver.recovery import Recovery
+from rlray.driver.weight_relay import NodeRelay
 from rlray.observe.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
 
 Loaded = dict[str, tuple[int, float | None]]
 """Per worker name: the version it holds and its load seconds (None: not measured)."""
+
+
+@dataclass
+class Waves:
+    """An object-store sync's loads: the workers (indices) of each wave, in order, and
+    the loads of the first wave, asked for when the weights were published."""
+
+    workers: list[list[int]]
+    first: dict[int, Any]
 
 
 class WeightSync:
@@ -64,6 +75,7 @@ class WeightSync:
         self.syncs = 0
         self.last_gap: float | None = None
         """The parity gap of the last checked sync, until the next step reports it."""
+        self.relay = NodeRelay(actors, recovery) if config.rollout.weight_relay else None
         recovery.restorers["rollout"] = self._reload
 
     def sync(self, start_next: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -109,33 +121,46 @@ class WeightSync:
         gap, self.last_gap = self.last_gap, None
         return gap
 
-    def _publish(self) -> list[Any]:
-        """The object-store sync's asks: the learner publishes one object, and every
-        worker loads it, all at once; returns the loads' ObjectRefs."""
+    def _publish(self) -> Waves:
+        """The object-store sync's asks: the learner publishes one object, and the
+        workers load it: all at once, or with rollout.weight_relay in waves, node by node
+        (rlray.driver.weight_relay). Returns the waves, the first one's loads asked."""
         self.published = self.actors.learner.publish_weights.remote()
-        return [worker.load_published.remote(self.published) for worker in self.actors.rollout]
+        waves = self.relay.waves() if self.relay else [list(range(len(self.actors.rollout)))]
+        return Waves(waves, self._load(waves[0]))
+
+    def _load(self, workers: list[int]) -> dict[int, Any]:
+        """Asks the workers to load the published weights; returns each one's load."""
+        rollout = self.actors.rollout
+        return {worker: rollout[worker].load_published.remote(self.published) for worker in workers}
 
     def _publish_and_load(self) -> Loaded:
         """The object-store sync, asked and waited for."""
         return self._wait_for_loads(self._publish())
 
-    def _wait_for_loads(self, loads: list[Any]) -> Loaded:
-        """Waits for the workers' loads. A worker that died is waited for and loads the
-        published weights when restarted (its load seconds are then None)."""
+    def _wait_for_loads(self, waves: Waves) -> Loaded:
+        """Waits for the workers' loads, a wave at a time, asking for each wave's once the
+        one before has loaded. A worker that died is waited for and loads the published
+        weights when restarted (its load seconds are then None)."""
         names = self.actors.rollout_names
         loaded: Loaded = {}
-        for worker, (name, load) in enumerate(zip(names, loads, strict=True)):
-            try:
-                version, seconds = self.recovery.call(name, load, "weight load")
-            except ActorFailure as err:
-                if not err.died or err.lost:
-                    raise
-                self.recovery.recover(name, err)  # loads the published weights when up
-                loaded[name] = (self.worker_versions[worker], None)
-                continue
-            self.worker_versions[worker] = version
-            loaded[name] = (version, seconds)
-        return loaded
+        loads = waves.first
+        for wave in waves.workers:
+            loads = loads or self._load(wave)
+            for worker, load in loads.items():
+                name = names[worker]
+                try:
+                    version, seconds = self.recovery.call(name, load, "weight load")
+                except ActorFailure as err:
+                    if not err.died or err.lost:
+                        raise
+                    self.recovery.recover(name, err)  # loads the published weights when up
+                    loaded[name] = (self.worker_versions[worker], None)
+                    continue
+                self.worker_versions[worker] = version
+                loaded[name] = (version, seconds)
+            loads = {}
+        return dict(sorted(loaded.items(), key=lambda item: names.index(item[0])))
 
     def _load_in_memory(self) -> Loaded:
         """The colocated sync: every engine loads its own learner's weights, all at once.
@@ -239,3 +264,5 @@ class WeightSync:
         )
         self.worker_versions[worker] = version
         self.transfer_open = False  # its new engine joins at the next sync
+        if self.relay is not None:
+            self.relay.moved(worker)  # perhaps to another node

@@ -38,7 +38,7 @@ from rlray.core.episode import Episode, ModelLimits, validate_episodes
 from rlray.core.files import writing
 from rlray.core.groups import check_whole_groups, group_indexes, sample_indexes
 from rlray.core.parity import ParitySample
-from rlray.core.stats import StepMetrics, component_means, staleness_mean
+from rlray.core.stats import StepMetrics, component_means, staleness_max, staleness_mean
 from rlray.data.models import resolve_model_path
 from rlray.learner import distributed as dd
 from rlray.learner.batches import MiniBatchTotals, Outputs, TokenBatch, TokenCounts, collate
@@ -332,6 +332,7 @@ class Learner:
             ),
             kl=None if kl is None else float(rm.masked_mean(kl, mask)),
             staleness_mean=staleness_mean(episodes, self.version - 1),
+            staleness_max=staleness_max(episodes, self.version - 1),
             logprob_parity_error=parity,
             rollout_logprob_diff_mean=mismatch and mismatch["mean"],
             rollout_logprob_diff_max=mismatch and mismatch["max"],

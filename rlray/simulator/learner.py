@@ -22,7 +22,7 @@ from rlray.core.checkpoints import (
 from rlray.core.episode import Episode
 from rlray.core.groups import check_whole_groups
 from rlray.core.parity import ParitySample
-from rlray.core.stats import StepMetrics, component_means, staleness_mean
+from rlray.core.stats import StepMetrics, component_means, staleness_max, staleness_mean
 from rlray.simulator.profile import ModelledTime, load_profile
 from rlray.simulator.tokens import SimulatedWeights, token_logprobs
 
@@ -100,6 +100,7 @@ class SimulatedLearner:
             explained_variance=None,
             kl=None,
             staleness_mean=staleness_mean(episodes, self.version - 1),
+            staleness_max=staleness_max(episodes, self.version - 1),
             logprob_parity_error=parity,
             rollout_logprob_diff_mean=None,
             rollout_logprob_diff_max=None,
