@@ -12,9 +12,14 @@ one batch from every worker a step, it prints per step after the first two:
   - the step's wall time against the modelled one (a batch's generation and a weight
     load on an engine, or the learner's step where longer): the difference is the
     control plane's overhead, and its share of the step;
-  - the driver's CPU seconds (the job process's);
-  - the weight sync: seconds until every engine holds the new weights, less the
-    modelled load;
+  - the driver's CPU seconds (the job process's), and the whole machine's: the engines
+    and the learner sleep through their modelled time, so what the machine's cores do is
+    the control plane's work (Ray's raylets and object stores, the actors, the driver)
+    and the simulator's bookkeeping; where they are near full, this machine bounds the
+    overhead;
+  - the weight sync: seconds from the publish until every engine holds the new weights
+    (an engine loads after the batch it is generating), and the slowest engine's load
+    less the modelled load time;
   - episodes/s and bytes/s stored;
 
 and how each grows with the number of workers.
@@ -149,6 +154,8 @@ class StepRecord:
     driver_cpu_s: float
     seen_at: float
     """time.monotonic() when it was read (within 0.2 s of its writing)."""
+    machine_cpu_s: float = 0.0
+    """The machine's busy CPU seconds, all its cores, every process (machine_busy_s)."""
 
 
 @dataclass
@@ -185,7 +192,9 @@ def run_job(
             lines = read_steps(run_dir / "metrics.jsonl")
             for metrics in lines[seen:]:
                 cpu = process.cpu_times()
-                record = StepRecord(metrics, cpu.user + cpu.system, time.monotonic())
+                record = StepRecord(
+                    metrics, cpu.user + cpu.system, time.monotonic(), machine_busy_s()
+                )
                 result.steps.append(record)
             seen = len(lines)
             if on_poll is not None:
@@ -194,6 +203,12 @@ def run_job(
     result.exit_code, result.seconds = job.returncode, time.monotonic() - started
     result.output = log.read_text()
     return result
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the machine's cores have been busy (not idle, not waiting on disk)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -217,10 +232,13 @@ def figures(result: RunResult, shape: Shape) -> dict[str, float]:
     first, last = steps[0], steps[-1]
     wall = (last.metrics["elapsed_seconds"] - first.metrics["elapsed_seconds"]) / count
     cpu = (last.driver_cpu_s - first.driver_cpu_s) / count
+    machine_cpu = (last.machine_cpu_s - first.machine_cpu_s) / count
     modelled = shape.modelled_step_s()
     load = load_profile(shape.profile).load_seconds() * shape.time_scale
     syncs = [s.metrics.get("weight_sync_seconds") for s in steps[1:]]
     syncs = [s for s in syncs if s is not None]
+    loads = [s.metrics.get("weight_load_seconds") for s in steps[1:]]
+    loads = [s for s in loads if s is not None]
     parity = [s.metrics.get("logprob_parity_error") for s in steps]
     episodes = shape.workers * shape.batch
     episode_bytes = 8 * (load_profile(shape.profile).prompt_tokens + 2 * shape.completion_tokens)
@@ -231,7 +249,10 @@ def figures(result: RunResult, shape: Shape) -> dict[str, float]:
         "overhead_share": (wall - modelled) / wall,
         "driver_cpu_s": cpu,
         "driver_cpu_ms_per_batch": 1000 * cpu / shape.workers,
-        "weight_sync_s": statistics.median(syncs) - load if syncs else math.nan,
+        "machine_cpu_s": machine_cpu,
+        "machine_busy_share": machine_cpu / (wall * (psutil.cpu_count() or 1)),
+        "weight_sync_s": statistics.median(syncs) if syncs else math.nan,
+        "weight_load_s": statistics.median(loads) - load if loads else math.nan,
         "episodes_per_s": episodes / wall,
         "stored_mb_per_s": episodes * episode_bytes / wall / 2**20,
         "parity_max": max((p for p in parity if p is not None), default=math.nan),
@@ -245,11 +266,18 @@ FIGURES = [
     ("overhead_share", "control overhead (share of the step)", "{:.1%}"),
     ("driver_cpu_s", "driver CPU (s a step)", "{:.3f}"),
     ("driver_cpu_ms_per_batch", "driver CPU (ms a batch)", "{:.2f}"),
-    ("weight_sync_s", "weight sync less modelled load (s)", "{:.2f}"),
+    ("machine_cpu_s", "machine CPU, all processes (s a step)", "{:.2f}"),
+    ("machine_busy_share", "machine CPU (share of its cores)", "{:.0%}"),
+    ("weight_sync_s", "weight sync: publish to all loaded (s)", "{:.2f}"),
+    ("weight_load_s", "slowest load less modelled (s)", "{:.2f}"),
     ("episodes_per_s", "episodes/s", "{:.1f}"),
     ("stored_mb_per_s", "token bytes stored (MiB/s)", "{:.2f}"),
     ("parity_max", "largest parity gap after a sync", "{:.3g}"),
 ]
+
+
+UNFITTED = ("overhead_share", "machine_busy_share", "parity_max")
+"""Figures printed without a growth fit: shares, and the parity gap (0 unless broken)."""
 
 
 def print_table(nodes: int, results: dict[int, dict[str, float]]) -> None:
@@ -261,7 +289,7 @@ def print_table(nodes: int, results: dict[int, dict[str, float]]) -> None:
     for key, label, fmt in FIGURES:
         values = [results[n][key] for n in counts]
         cells = "".join(f"{fmt.format(v):>10}" for v in values)
-        trend = growth(counts, values) if key not in ("overhead_share", "parity_max") else ""
+        trend = growth(counts, values) if key not in UNFITTED else ""
         print(f"{label:<40}{cells}  {trend}")
 
 

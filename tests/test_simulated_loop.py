@@ -34,14 +34,21 @@ def test_a_steps_figures_are_its_time_over_the_modelled_one():
     # (6.83 s) after 8,192 prompt tokens at 28,000/s; a load of 14 GB at 25 GB/s.
     assert shape.modelled_step_s() == pytest.approx(8192 / 28000 + 1024 / 150 + 14 / 25)
     steps = [
-        loop.StepRecord({"elapsed_seconds": 10.0 * i, "weight_sync_seconds": 1.0}, 0.5 * i, 0.0)
+        loop.StepRecord(
+            {"elapsed_seconds": 10.0 * i, "weight_sync_seconds": 1.0, "weight_load_seconds": 1.5},
+            driver_cpu_s=0.5 * i,
+            seen_at=0.0,
+            machine_cpu_s=4.0 * i,
+        )
         for i in range(6)
     ]
     figures = loop.figures(loop.RunResult(steps), shape)
     assert figures["step_s"] == pytest.approx(10.0)  # steps 2-5: 3 intervals of 10 s
     assert figures["driver_cpu_s"] == pytest.approx(0.5)
     assert figures["overhead_s"] == pytest.approx(10.0 - shape.modelled_step_s())
-    assert figures["weight_sync_s"] == pytest.approx(1.0 - 14 / 25)
+    assert figures["weight_sync_s"] == pytest.approx(1.0)
+    assert figures["weight_load_s"] == pytest.approx(1.5 - 14 / 25)
+    assert figures["machine_cpu_s"] == pytest.approx(4.0)
 
 
 @pytest.mark.slow

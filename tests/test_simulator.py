@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from rlray.config import Config, ConfigError, RolloutConfig, SimulatorConfig, validate
@@ -92,11 +93,22 @@ def test_a_sync_that_delivered_its_version_checks_to_zero_and_a_stale_one_does_n
 
 
 def test_weights_whose_bytes_changed_are_refused_at_load():
-    weights = SimulatedWeights.of(5, 4096)
+    weights = SimulatedWeights.of(5, 3 * 4096)  # checked: bytes 8, 4104, 8200 and the last
     assert weights.version_of() == 5
-    weights.payload[1000] ^= 1
-    with pytest.raises(ValueError, match=r"1 of 4088 bytes differ .* at byte 1000"):
+    weights.payload[4104] ^= 1
+    with pytest.raises(ValueError, match=r"1 of 4 checked bytes differ .* at byte 4104"):
         engine().load_published((5, weights))
+    weights.payload[4104] ^= 1
+    weights.payload[-1] ^= 1  # a transfer that stopped short
+    with pytest.raises(ValueError, match=r"at byte 12287"):
+        weights.version_of()
+
+
+def test_weights_of_another_version_are_refused_at_load():
+    weights = SimulatedWeights.of(5, 4096)
+    weights.payload[:8] = np.frombuffer((6).to_bytes(8, "little"), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"of version 6: 2 of 2 checked bytes"):
+        weights.version_of()
 
 
 def test_logprobs_differ_between_versions_and_are_logprobs():
