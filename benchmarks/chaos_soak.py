@@ -192,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--every", type=float, nargs=2, default=[30.0, 60.0], help="seconds")
-    parser.add_argument("--time-scale", type=float, default=0.25)
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="of the modelled times (simulator)"
+    )
     parser.add_argument("--completion-tokens", type=int, default=512)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -200,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.minutes, args.nodes, args.workers, args.every = 1.5, 2, 8, [15.0, 20.0]
+        args.time_scale = 0.25  # short steps: each fault's recovery within the run
     return args
 
 

@@ -18,14 +18,15 @@ one batch from every worker a step, it prints per step after the first two:
     and the simulator's bookkeeping; where they are near full, this machine bounds the
     overhead;
   - the weight sync: seconds from the publish until every engine holds the new weights
-    (an engine loads after the batch it is generating), and the slowest engine's load
-    less the modelled load time;
+    (an engine loads after the batch it is generating), the slowest engine's load less
+    the modelled load time, and how long the step waited for the sync;
   - episodes/s and bytes/s stored;
 
 and how each grows with the number of workers.
 
     python benchmarks/simulated_loop.py --quick
     python benchmarks/simulated_loop.py --nodes 4 16 --workers 8 32 64
+    python benchmarks/simulated_loop.py --nodes 4 --workers 64 --prompts 16
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ HEAD_NODE = "head_node"
 JOB_TIMEOUT_S = 1800.0
 """The longest one run may take: nothing waits forever."""
 SKIPPED_STEPS = 2
-"""Steps left out of the figures: start-up, and the first sync's."""
+"""Steps left out of the figures: start-up, and the first sync's (the last step is left
+out too: it holds the final evaluation)."""
 
 
 @dataclass
@@ -224,8 +226,9 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
 
 
 def figures(result: RunResult, shape: Shape) -> dict[str, float]:
-    """The per-step figures of a run, over its steps after SKIPPED_STEPS."""
-    steps = result.steps[SKIPPED_STEPS:]
+    """The per-step figures of a run, over its steps after SKIPPED_STEPS and before the
+    last, whose time holds the run's final evaluation (modelled generation)."""
+    steps = result.steps[SKIPPED_STEPS:-1]
     if len(steps) < 2:
         raise RuntimeError(f"only {len(result.steps)} steps were logged:\n{result.output[-2000:]}")
     count = len(steps) - 1
@@ -239,6 +242,7 @@ def figures(result: RunResult, shape: Shape) -> dict[str, float]:
     syncs = [s for s in syncs if s is not None]
     loads = [s.metrics.get("weight_load_seconds") for s in steps[1:]]
     loads = [s for s in loads if s is not None]
+    waits = [s.metrics.get("phase_seconds", {}).get("weight_sync", 0.0) for s in steps[1:]]
     parity = [s.metrics.get("logprob_parity_error") for s in steps]
     episodes = shape.workers * shape.batch
     episode_bytes = 8 * (load_profile(shape.profile).prompt_tokens + 2 * shape.completion_tokens)
@@ -253,6 +257,7 @@ def figures(result: RunResult, shape: Shape) -> dict[str, float]:
         "machine_busy_share": machine_cpu / (wall * (psutil.cpu_count() or 1)),
         "weight_sync_s": statistics.median(syncs) if syncs else math.nan,
         "weight_load_s": statistics.median(loads) - load if loads else math.nan,
+        "sync_wait_s": statistics.median(waits),
         "episodes_per_s": episodes / wall,
         "stored_mb_per_s": episodes * episode_bytes / wall / 2**20,
         "parity_max": max((p for p in parity if p is not None), default=math.nan),
@@ -270,6 +275,7 @@ FIGURES = [
     ("machine_busy_share", "machine CPU (share of its cores)", "{:.0%}"),
     ("weight_sync_s", "weight sync: publish to all loaded (s)", "{:.2f}"),
     ("weight_load_s", "slowest load less modelled (s)", "{:.2f}"),
+    ("sync_wait_s", "the step's wait for the sync (s)", "{:.2f}"),
     ("episodes_per_s", "episodes/s", "{:.1f}"),
     ("stored_mb_per_s", "token bytes stored (MiB/s)", "{:.2f}"),
     ("parity_max", "largest parity gap after a sync", "{:.3g}"),
@@ -313,6 +319,7 @@ def measure(nodes: int, args: argparse.Namespace, scratch: Path) -> dict[int, di
             shape = Shape(
                 workers,
                 args.steps,
+                prompts=args.prompts,
                 completion_tokens=args.completion_tokens,
                 time_scale=args.time_scale,
                 weight_mb=args.weight_mb,
@@ -341,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--prompts", type=int, default=4, help="a batch's (4 samples each)")
     parser.add_argument("--completion-tokens", type=int, default=1024)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--weight-mb", type=int, default=64, help="published weights (MiB)")

@@ -35,7 +35,13 @@ def test_a_steps_figures_are_its_time_over_the_modelled_one():
     assert shape.modelled_step_s() == pytest.approx(8192 / 28000 + 1024 / 150 + 14 / 25)
     steps = [
         loop.StepRecord(
-            {"elapsed_seconds": 10.0 * i, "weight_sync_seconds": 1.0, "weight_load_seconds": 1.5},
+            # the last step's 25 s hold the run's final evaluation: left out
+            {
+                "elapsed_seconds": 10.0 * i + 15.0 * (i == 5),
+                "weight_sync_seconds": 1.0,
+                "weight_load_seconds": 1.5,
+                "phase_seconds": {"weight_sync": 0.25},
+            },
             driver_cpu_s=0.5 * i,
             seen_at=0.0,
             machine_cpu_s=4.0 * i,
@@ -43,11 +49,12 @@ def test_a_steps_figures_are_its_time_over_the_modelled_one():
         for i in range(6)
     ]
     figures = loop.figures(loop.RunResult(steps), shape)
-    assert figures["step_s"] == pytest.approx(10.0)  # steps 2-5: 3 intervals of 10 s
+    assert figures["step_s"] == pytest.approx(10.0)  # steps 2-4: 2 intervals of 10 s
     assert figures["driver_cpu_s"] == pytest.approx(0.5)
     assert figures["overhead_s"] == pytest.approx(10.0 - shape.modelled_step_s())
     assert figures["weight_sync_s"] == pytest.approx(1.0)
     assert figures["weight_load_s"] == pytest.approx(1.5 - 14 / 25)
+    assert figures["sync_wait_s"] == pytest.approx(0.25)
     assert figures["machine_cpu_s"] == pytest.approx(4.0)
 
 
