@@ -65,19 +65,29 @@ def wait_for(ref: Any, actor: str, what: str, timeout_s: float) -> Any:
         return ray.get(ref, timeout=timeout_s)
     except GetTimeoutError:
         raise ActorFailure(f"{actor}: no answer to {what} within {timeout_s:.0f} s") from None
-    except RayTaskError as err:
+    except (RayTaskError, RayActorError, ObjectLostError) as err:
+        raise failure_of(err, actor, what) from err
+
+
+def failure_of(err: Exception, actor: str, what: str) -> ActorFailure:
+    """What Ray's error for a call on `actor` means to the caller: an error the call
+    raised; the actor's death (or the death of the actor that made an argument); or an
+    argument lost with its node, which a task whose argument could not be fetched reports
+    as its own error (RayTaskError caused by ObjectLostError)."""
+    if isinstance(err, RayTaskError):
         message = f"{actor}: {what} failed: {_last_line(err)}"
         if isinstance(err.cause, RayActorError):  # the actor that made an argument died
-            raise ActorFailure(message, died=True, actor_id=err.cause.actor_id) from err
+            return ActorFailure(message, died=True, actor_id=err.cause.actor_id)
+        if isinstance(err.cause, ObjectLostError):
+            return ActorFailure(message, died=True, lost=True)
         restarted = isinstance(err.cause, ActorRestarted)
-        raise ActorFailure(message, died=restarted, refused=restarted) from err
-    except RayActorError as err:
+        return ActorFailure(message, died=restarted, refused=restarted)
+    if isinstance(err, RayActorError):
         message = f"{actor} died during {what}: {_last_line(err)}"
         restarting = isinstance(err, ActorUnavailableError)
-        raise ActorFailure(message, True, err.actor_id, restarting) from err
-    except ObjectLostError as err:
-        message = f"{actor}: {what} lost its input with a node: {_last_line(err)}"
-        raise ActorFailure(message, died=True, lost=True) from err
+        return ActorFailure(message, True, err.actor_id, restarting)
+    message = f"{actor}: {what} lost its input with a node: {_last_line(err)}"
+    return ActorFailure(message, died=True, lost=True)
 
 
 def _last_line(err: Exception) -> str:

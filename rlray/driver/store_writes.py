@@ -70,11 +70,9 @@ class StoreWrites:
             try:
                 wait_for(write.ref, "store", "append", self.recovery.timeout_s)
             except ActorFailure as err:
-                if err.lost:  # nothing left to send again
-                    logger.error("episodes lost before they were stored: %s", err)
-                    del self.pending[key]
-                    continue
-                if not err.died:
+                # Batches lost with their node cannot be sent again: the run resumes from
+                # its checkpoint, which hands their prompts out again.
+                if err.lost or not err.died:
                     raise
                 self.recovery.recover("store", err)  # sends every unconfirmed write again
                 return self.confirm(block)
