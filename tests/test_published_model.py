@@ -19,7 +19,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow.compute as pc
 import pytest
 import torch
 import transformers
@@ -202,5 +201,7 @@ def test_checkpoints_load_back_in_transformers_and_vllm(published_runs, rollout_
         generated, _ = ray.get(actor.generate.remote(prompts, 0), timeout=300)
     assert generated[0].prompt.startswith("<|im_start|>")
     assert max_gap(generated, hf_logprobs(model.eval(), generated)) <= 1e-4
-    # Trained: the checkpoint is not the weights it started from.
-    assert pc.max(read(root / run / "episodes")["policy_version"]).as_py() >= 1
+    # The last step's checkpoint: the weights after both updates. (Not every stored
+    # episode's version: with one engine ahead of the learner, a short run may store
+    # only episodes of the weights it started from.)
+    assert json.loads((policy.parent / "state.json").read_text())["version"] == 2
