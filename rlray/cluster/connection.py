@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,32 +22,44 @@ from ray._raylet import GcsClient
 
 from rlray.cluster import local_ray_watchdog
 from rlray.config import Config
-from rlray.core.interrupts import deliver, interrupts_held
+from rlray.core.interrupts import interrupts_held
 
 
 def connect(address: str, num_cpus: int) -> None:
     """Joins the cluster in `address` or RAY_ADDRESS (set by `ray job submit`), else
     starts a new single-node Ray for this job, even if a `ray start` cluster runs here.
 
-    The caller's SIGINT and SIGTERM handlers stay: ray.init installs a SIGTERM handler
-    that exits at once, and a signal that arrives while it runs reaches the caller's
-    handler when it returns. Held in Python, not blocked in the kernel: the processes
-    a local Ray starts would inherit a blocked SIGTERM and ignore the one Ray's shutdown
-    sends them, each then killed only after a wait (added to every run's end)."""
+    The caller's SIGINT and SIGTERM handlers stay, and a signal that arrives while Ray
+    starts reaches the caller's handler when ray.init returns. Held in Python, not
+    blocked in the kernel: the processes a local Ray starts would inherit a blocked
+    SIGTERM and ignore the one Ray's shutdown sends them, each then killed only after a
+    wait (added to every run's end)."""
     if ray.is_initialized():
         return
     # The driver's core worker would print a native stack dump on SIGTERM, which stops a
     # run as Ctrl-C does (its actors' workers keep their crash reports).
     ray._private.ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     target = address or os.environ.get("RAY_ADDRESS", "")
+    with interrupts_held(), _without_rays_sigterm_handlers():
+        _init(target, num_cpus)
+
+
+@contextlib.contextmanager
+def _without_rays_sigterm_handlers() -> Iterator[None]:
+    """Keeps ray.init from installing its SIGTERM handlers (the driver's: exit at once;
+    a local head node's: stop its processes, then exit), which would replace the hold
+    of interrupts_held. Their SystemExit cannot be relied on to stop ray.init anyway: a
+    SIGTERM that arrives while ray.init starts a process runs the handler inside the
+    fork's hooks, where Python ignores exceptions, and the signal was lost (the job then
+    ran to its end). The local Ray's processes are still stopped at exit (Ray's atexit
+    hook) and by local_ray_watchdog.py."""
+    utils = ray._private.utils
+    original = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
     try:
-        with interrupts_held():  # puts the caller's handlers back over ray.init's
-            _init(target, num_cpus)
-    except SystemExit as stopped:  # ray.init's own SIGTERM handler
-        if stopped.code != signal.SIGTERM:
-            raise
-        deliver(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
-        raise
+        yield
+    finally:
+        utils.set_sigterm_handler = original
 
 
 def _init(target: str, num_cpus: int) -> None:
