@@ -516,30 +516,33 @@ class DriverSteps:
         self.stored = 0
 
     def fill(self) -> None:
-        for worker in self.rollouts.idle_workers():
-            if not self._may_generate():
-                continue
-            reserve = lambda: self.buffer.reserve.remote(self.per_batch)  # noqa: E731
-            if not self.recovery.retrying("buffer", reserve, "reserve"):
-                return
+        """One reservation for every idle worker, after TrainingDriver's count of every
+        episode buffered or in flight (its staleness check: always true here, with no
+        weight syncs, but made as the driver makes it)."""
+        idle = self.rollouts.idle_workers()
+        ahead = self.buffered_episodes + sum(i.num_episodes for i in self.rollouts.in_flight)
+        planned = [w for w in idle if self.version + ahead // self.per_step >= self.version]
+        if not planned:
+            return
+        sizes = [self.per_batch] * len(planned)
+        reserve = lambda: self.buffer.reserve_batches.remote(sizes)  # noqa: E731
+        reserved = self.recovery.retrying("buffer", reserve, "reserve")
+        for worker in planned[:reserved]:
             self.rollouts.start(worker, self.cursor, self.prompts_per_batch, SAMPLES)
             self.cursor += self.prompts_per_batch
 
-    def _may_generate(self) -> bool:
-        """TrainingDriver._may_generate's count of every episode buffered or in flight;
-        always true here (no weight syncs), but made as often as the driver makes it."""
-        in_flight = sum(item.num_episodes for item in self.rollouts.in_flight)
-        trained_at = self.version + (self.buffered_episodes + in_flight) // self.per_step
-        return trained_at - self.version <= 10**9
-
-    def _to_buffer(self, item: InFlight) -> None:
-        batch = BufferedBatch(
-            [item.episodes], 0, item.generated.episodes, item.first_prompt_index, self.next_batch_id
-        )
-        self.next_batch_id += 1
-        add = lambda: self.buffer.add.remote(batch, item.num_episodes)  # noqa: E731
+    def _to_buffer(self, items: list[InFlight]) -> None:
+        added = []
+        for item in items:
+            batch = BufferedBatch(
+                [item.episodes], 0, item.generated.episodes, item.first_prompt_index,
+                self.next_batch_id,
+            )  # fmt: skip
+            self.next_batch_id += 1
+            added.append((batch, item.num_episodes))
+        add = lambda: self.buffer.add_batches.remote(added)  # noqa: E731
         self.recovery.retrying("buffer", add, "add")
-        self.buffered_episodes += batch.num_episodes
+        self.buffered_episodes += sum(batch.num_episodes for batch, _ in added)
 
     def step(self) -> None:
         """Fills the buffer to a step, takes it, trains on it and stores it."""

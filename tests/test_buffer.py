@@ -27,6 +27,16 @@ def test_reservations_count_against_capacity():
     assert buffer.reserve(4)
 
 
+def test_a_reservation_for_several_batches_takes_those_that_fit_in_order():
+    buffer = EpisodeBuffer(capacity_episodes=10, max_staleness=0)
+    assert buffer.reserve_batches([4, 4, 4, 1]) == 2  # the fourth would fit, but in order
+    assert buffer.reserve_batches([]) == 0
+    assert buffer.stats()["buffer_reserved"] == 8
+    buffer.add_batches([(batch(0, size=3, batch_id=0), 4), (batch(0, batch_id=1), 4)])
+    assert buffer.stats()["buffer_reserved"] == 0 and buffer.stats()["buffer_depth"] == 7
+    assert [b.batch_id for b in buffer.take(7, learner_version=0).batches] == [0, 1]
+
+
 def test_add_without_reservation_is_refused():
     buffer = EpisodeBuffer(capacity_episodes=8, max_staleness=0)
     with pytest.raises(OverflowError, match="against a reservation of 4"):

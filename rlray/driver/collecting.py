@@ -77,8 +77,8 @@ class CollectDriver:
             actor_restarts=self.recovery.count_restarts(),
         )
 
-    def _store(self, item: InFlight) -> None:
-        self.store.write([[item.episodes]], trained_at=None)
+    def _store(self, items: list[InFlight]) -> None:
+        self.store.write([[item.episodes] for item in items], trained_at=None)
         print(f"collected {self.rollouts.tally.episodes} episodes", flush=True)
 
     def close_store(self) -> StoreStats | None:

@@ -22,19 +22,31 @@ class PromptQueue:
         self.replay = deque(sorted(replay or []))
         """Prompts a checkpoint left unfinished, regenerated before the stream goes on."""
 
-    def next_batch(self, size: int) -> tuple[int, int]:
-        """Returns (first prompt index, count) of the next batch of at most `size`
-        prompts, without handing it out: the next run of consecutive prompts to replay,
-        else `size` prompts from the cursor."""
-        if not self.replay:
-            return self.cursor, size
-        first, count = self.replay[0], 1
-        while count < min(size, len(self.replay)) and self.replay[count] == first + count:
-            count += 1
-        return first, count
+    def next_batches(self, size: int, count: int) -> list[tuple[int, int]]:
+        """Returns (first prompt index, prompts) of the next `count` batches of at most
+        `size` prompts each, without handing them out: runs of consecutive prompts to
+        replay, then `size` prompts at a time from the cursor. Handed out in this order,
+        they are the batches that would have been returned one at a time."""
+        batches = []
+        replayed, cursor = 0, self.cursor
+        while len(batches) < count:
+            if replayed < len(self.replay):
+                first, prompts = self.replay[replayed], 1
+                while (
+                    prompts < size
+                    and replayed + prompts < len(self.replay)
+                    and self.replay[replayed + prompts] == first + prompts
+                ):
+                    prompts += 1
+                replayed += prompts
+            else:
+                first, prompts = cursor, size
+                cursor += size
+            batches.append((first, prompts))
+        return batches
 
     def hand_out(self, first: int, count: int) -> None:
-        """Marks the batch `next_batch` returned as handed out."""
+        """Marks the first batch `next_batches` returned as handed out."""
         if self.replay and self.replay[0] == first:
             for _ in range(count):
                 self.replay.popleft()

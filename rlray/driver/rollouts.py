@@ -115,7 +115,7 @@ class RolloutTally:
 class Rollouts:
     """The run's batches in flight, from prompts to scored episodes in the object store.
 
-    `deliver(batch)` receives each scored batch, in the order batches were started: a
+    `deliver(batches)` receives the scored batches, in the order they were started: a
     batch may start only if it will be at most max_staleness versions old when trained,
     counting every batch started before it as trained first; handed on out of order, a
     batch that took longer could fall behind that bound.
@@ -132,7 +132,7 @@ class Rollouts:
         prompts: Any,
         recovery: Recovery,
         clock: PhaseClock,
-        deliver: Callable[[InFlight], None],
+        deliver: Callable[[list[InFlight]], None],
         split_uniform_groups: bool = False,
         batches_per_worker: int = 1,
     ):
@@ -288,8 +288,11 @@ class Rollouts:
                     self._scored(item)
                 elif item.generated is None and item.generate_stats in ready_refs:
                     self._generated(item)
+            done = []
             while self.in_flight and self.in_flight[0].scored is not None:
-                self.deliver(self.in_flight.pop(0))
+                done.append(self.in_flight.pop(0))
+            if done:
+                self.deliver(done)
 
     def _wait_for_one(self, pending: list[Any], timeout_s: float) -> list[Any]:
         """Returns the first of `pending` to be ready within `timeout_s` ([] if none).

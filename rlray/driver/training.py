@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlray.cluster.calls import ActorFailure
 from rlray.cluster.start import Actors
@@ -46,6 +46,16 @@ def _batches_per_worker(config: Config) -> int:
     """Returns how many batches a rollout worker generates at once: two with in-flight
     weight updates (disaggregated: a colocated engine runs one call at a time)."""
     return 2 if config.rollout.in_flight_updates and config.ray.placement != "colocated" else 1
+
+
+class PlannedBatch(NamedTuple):
+    """A batch `fill` would start: on a worker, from a prompt, and its carry floor (with
+    partial rollouts: the oldest version a group it leaves running may start under)."""
+
+    worker: int
+    first_prompt: int
+    prompts: int
+    carry_floor: int | None
 
 
 class TrainingDriver:
@@ -107,67 +117,88 @@ class TrainingDriver:
 
     # ------------------------------------------------------------------ generation
 
-    def _trained_at_version(self) -> int:
-        """Returns the learner version a batch started now will be trained at, counting
-        every batch buffered or in flight as trained first."""
-        per_step = self.config.learner.episodes_per_step
-        in_flight = sum(item.num_episodes for item in self.rollouts.in_flight)
-        return self.learner_version + (self.buffered_episodes + in_flight) // per_step
+    def _episodes_ahead(self) -> int:
+        """Returns the episodes buffered or in flight: trained before a batch started now."""
+        return self.buffered_episodes + sum(item.num_episodes for item in self.rollouts.in_flight)
 
-    def _may_generate(self, worker: int) -> bool:
-        """Whether a batch started now on `worker` would still be fresh when trained."""
-        staleness = self._trained_at_version() - self.weights.worker_versions[worker]
-        return staleness <= self.config.buffer.max_staleness
-
-    def _carry_floor(self) -> int | None:
-        """With partial rollouts, the oldest version a group left running by a batch
-        started now may have started under: it comes back with the worker's next batch,
-        trained a version later at most, and must still be fresh then."""
-        if not partial_rollouts(self.config):
-            return None
-        return self._trained_at_version() + 1 - self.config.buffer.max_staleness
+    def _trained_at_version(self, ahead: int) -> int:
+        """Returns the learner version a batch started after `ahead` episodes will be
+        trained at, counting those as trained first."""
+        return self.learner_version + ahead // self.config.learner.episodes_per_step
 
     def fill(self) -> None:
-        """Starts a batch on every idle rollout worker that may generate and has room."""
-        rollout = self.config.rollout
-        for worker in self.rollouts.idle_workers():
-            if not self._may_generate(worker):
-                continue
-            first, count = self.prompt_queue.next_batch(rollout.prompts_per_batch)
-            batch_size = count * rollout.samples_per_prompt
-            with interrupts_held():
-                if not self.buffer_call(
-                    lambda size=batch_size: self.actors.buffer.reserve.remote(size), "reserve"
-                ):
-                    return  # full: producers wait until the learner takes a step
-                self.reserved_episodes += batch_size
-                self.prompt_queue.hand_out(first, count)
+        """Starts a batch on every idle rollout worker that may generate, as many as the
+        buffer has room for: one reservation for them all (a round trip per worker took
+        the driver's time as workers grew)."""
+        samples = self.config.rollout.samples_per_prompt
+        planned = self._batches_to_start()
+        if not planned:
+            return
+        sizes = [batch.prompts * samples for batch in planned]
+        with interrupts_held():
+            reserved = self.buffer_call(
+                lambda: self.actors.buffer.reserve_batches.remote(sizes), "reserve"
+            )
+            for batch in planned[:reserved]:  # the rest waits until the learner takes a step
+                self.reserved_episodes += batch.prompts * samples
+                self.prompt_queue.hand_out(batch.first_prompt, batch.prompts)
                 self.rollouts.start(
-                    worker, first, count, rollout.samples_per_prompt, self._carry_floor()
+                    batch.worker, batch.first_prompt, batch.prompts, samples, batch.carry_floor
                 )
 
-    def _to_buffer(self, item: InFlight) -> None:
+    def _batches_to_start(self) -> list[PlannedBatch]:
+        """Returns the batch each idle worker would start, in order, each counted as
+        started for the next: on a worker whose weights will still be fresh (at most
+        `buffer.max_staleness` versions behind) when the batch is trained on."""
+        rollout = self.config.rollout
+        max_staleness = self.config.buffer.max_staleness
+        idle = self.rollouts.idle_workers()
+        upcoming = iter(self.prompt_queue.next_batches(rollout.prompts_per_batch, len(idle)))
+        planned: list[PlannedBatch] = []
+        ahead = self._episodes_ahead()
+        for worker in idle:
+            trained_at = self._trained_at_version(ahead)
+            if trained_at - self.weights.worker_versions[worker] > max_staleness:
+                continue
+            first, prompts = next(upcoming)
+            # With partial rollouts, a group left running by the batch comes back with the
+            # worker's next batch, trained a version later at most: still fresh then.
+            floor = trained_at + 1 - max_staleness if partial_rollouts(self.config) else None
+            planned.append(PlannedBatch(worker, first, prompts, floor))
+            ahead += prompts * rollout.samples_per_prompt
+        return planned
+
+    def _to_buffer(self, items: list[InFlight]) -> None:
+        """Adds scored batches to the buffer, in one call, and stores the groups
+        dynamic sampling split off them."""
+        added = [(self._buffered_batch(item), item.num_episodes) for item in items]
+        # An agent trace may make more episodes than it reserved, or none.
+        self.buffer_call(lambda: self.actors.buffer.add_batches.remote(added), "add")
+        for batch, reserved in added:
+            self.reserved_episodes -= reserved
+            if batch.num_episodes:
+                self.buffered[batch.batch_id] = batch
+            self.buffered_episodes += batch.num_episodes
+        split_off = [
+            [i.uniform] for i in items if i.uniform is not None and i.scored.uniform_episodes
+        ]
+        if split_off:
+            self.store.write(split_off, trained_at=None)  # never trained on, kept
+
+    def _buffered_batch(self, item: InFlight) -> BufferedBatch:
         score = item.scored
-        batch = BufferedBatch(
+        self.next_batch_id += 1
+        return BufferedBatch(
             ref=[item.episodes],
             policy_version=item.generated.policy_version,
             num_episodes=item.generated.episodes - score.uniform_episodes,
             first_prompt_index=_first_prompt_index(item),
-            batch_id=self.next_batch_id,
+            batch_id=self.next_batch_id - 1,
             # An agent batch's episodes are its traces' model calls, more than it reserved:
             # a step may take part of it (rollout batches are sized to steps).
             group_sizes=score.group_sizes if self.actors.agent is not None else [],
             group_prompts=score.group_prompts,
         )
-        self.next_batch_id += 1
-        reserved = item.num_episodes  # an agent trace may make more episodes, or none
-        self.buffer_call(lambda: self.actors.buffer.add.remote(batch, reserved), "add")
-        self.reserved_episodes -= reserved
-        if batch.num_episodes:
-            self.buffered[batch.batch_id] = batch
-        if item.uniform is not None and score.uniform_episodes:
-            self.store.write([[item.uniform]], trained_at=None)  # never trained on, kept
-        self.buffered_episodes += batch.num_episodes
 
     def _restore_buffer(self, name: str) -> None:
         batches = list(self.buffered.values())
@@ -291,7 +322,7 @@ class TrainingDriver:
             and config.buffer.max_staleness >= 1
             and not config.rollout.in_flight_updates
             and not config.agent.enabled
-            and self._trained_at_version() > self.learner_version
+            and self._trained_at_version(self._episodes_ahead()) > self.learner_version
         )
 
     def _start_next_step(self) -> None:

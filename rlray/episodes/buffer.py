@@ -96,6 +96,15 @@ class EpisodeBuffer:
         self.reserved_episodes += num_episodes
         return True
 
+    def reserve_batches(self, sizes: list[int]) -> int:
+        """Reserves room for batches about to be generated, in order, while each fits;
+        returns how many were reserved (the producer starts those, and waits with the
+        rest): one call for every idle producer."""
+        for reserved, size in enumerate(sizes):
+            if not self.reserve(size):
+                return reserved
+        return len(sizes)
+
     def add(self, batch: BufferedBatch, reserved: int | None = None) -> None:
         """Appends a batch whose room was reserved and gives back the whole reservation
         (`reserved` episodes, default the batch's size: dynamic sampling may leave fewer,
@@ -114,6 +123,12 @@ class EpisodeBuffer:
         self._batches.append(batch)
         self.depth_episodes += batch.num_episodes
         self.added_episodes += batch.num_episodes
+
+    def add_batches(self, batches: list[tuple[BufferedBatch, int]]) -> None:
+        """Appends, in order, batches whose room was reserved, each with its reservation
+        (see `add`): every batch a producer has ready, in one call."""
+        for batch, reserved in batches:
+            self.add(batch, reserved)
 
     def is_stale(self, batch: BufferedBatch, learner_version: int) -> bool:
         """Returns whether the batch's policy is more than max_staleness versions behind."""
