@@ -178,9 +178,11 @@ class Rollouts:
         prompts: int,
         samples: int,
         carry_floor: int | None = None,
+        score: bool = True,
     ) -> None:
         """Starts a batch of `prompts` prompts from the stream's `first_prompt_index` on
-        `worker` (its scoring follows by itself); `carry_floor`: see InFlight."""
+        `worker` (its scoring follows by itself; without `score`, once `score_started`
+        is called); `carry_floor`: see InFlight."""
         item = InFlight(
             rows=[self.prompts.row(first_prompt_index + i) for i in range(prompts)],
             first_prompt_index=first_prompt_index,
@@ -190,7 +192,15 @@ class Rollouts:
             carry_floor=carry_floor,
         )
         self.tally.prompts_generated += prompts
-        self._start(item)
+        self._start(item, score)
+
+    def score_started(self) -> None:
+        """Starts the scoring of the batches started without it: a driver that starts a
+        batch on every engine at once sends every generate call first, so that the last
+        engine does not wait for the scoring calls of all the others."""
+        for item in self.in_flight:
+            if item.episodes is None:
+                self._score(item)
 
     def finish_carried(self) -> None:
         """Starts, on every rollout worker, a call that finishes the groups partial
@@ -200,12 +210,12 @@ class Rollouts:
             first = min(self.carried.get(worker, [0]))
             self._start(InFlight([], first, worker, self.next_reward, 0, finishing=True))
 
-    def _start(self, item: InFlight) -> None:
+    def _start(self, item: InFlight, score: bool = True) -> None:
         self.next_reward = (self.next_reward + 1) % len(self.actors.reward)
         self.in_flight.append(item)
-        self._generate(item)
+        self._generate(item, score)
 
-    def _generate(self, item: InFlight) -> None:
+    def _generate(self, item: InFlight, score: bool = True) -> None:
         """Starts (or starts again) the generation of a batch, then its scoring. With the
         agent endpoint, agents make it: one trace per prompt and sample, whose model calls
         the batch's rollout worker serves."""
@@ -224,7 +234,8 @@ class Rollouts:
                 call, args = worker.generate, (item.rows, item.first_prompt_index)
             item.generated_episodes, item.generate_stats = call.options(num_returns=2).remote(*args)
         item.generated = None
-        self._score(item)
+        if score:
+            self._score(item)
 
     def _score(self, item: InFlight) -> None:
         """Starts (or starts again) the scoring of a generated batch."""

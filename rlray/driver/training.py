@@ -143,8 +143,10 @@ class TrainingDriver:
                 self.reserved_episodes += batch.prompts * samples
                 self.prompt_queue.hand_out(batch.first_prompt, batch.prompts)
                 self.rollouts.start(
-                    batch.worker, batch.first_prompt, batch.prompts, samples, batch.carry_floor
-                )
+                    batch.worker, batch.first_prompt, batch.prompts, samples, batch.carry_floor,
+                    score=False,
+                )  # fmt: skip
+            self.rollouts.score_started()
 
     def _batches_to_start(self) -> list[PlannedBatch]:
         """Returns the batch each idle worker would start, in order, each counted as
