@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlray.core.episode import to_table
 from rlray.episodes.reader import read, summarize
 from rlray.episodes.store import EpisodeStore, Journal, mark_trained
 from rlray.observe.metrics_log import MetricsLog
@@ -204,7 +205,7 @@ def test_a_full_disk_names_the_file_it_could_not_write(tmp_path):
     staging = tmp_path / "journal" / "000000000000-k.arrow.tmp"
     staging.symlink_to("/dev/full")
     with pytest.raises(OSError) as raised:
-        journal.record("k", [make_episode()])
+        journal.record("k", to_table([make_episode()]))
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(staging)
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
     with pytest.raises(OSError) as raised:

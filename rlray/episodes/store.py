@@ -30,10 +30,11 @@ from typing import Protocol
 from urllib.parse import quote
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rlray.config import StoreConfig
-from rlray.core.episode import Episode, from_table, to_table, validate_episodes
+from rlray.core.episode import EPISODE_SCHEMA, Episode, to_table, validate_episodes
 from rlray.core.files import writing
 from rlray.core.stats import StoreStats
 
@@ -68,17 +69,17 @@ class Journal:
         for path in self.directory.glob("*.tmp"):
             path.unlink()  # an append cut short: it never returned, its caller retries
 
-    def recover(self) -> list[Episode]:
-        """Returns the episodes of every pending append, in append order."""
-        return [e for path in self.pending for e in from_table(_read_ipc(path))]
+    def recover(self) -> list[pa.Table]:
+        """Returns the episodes of every pending append, a table each, in append order."""
+        return [_read_ipc(path).select(EPISODE_SCHEMA.names) for path in self.pending]
 
-    def record(self, key: str, episodes: list[Episode]) -> None:
-        """Writes one append; after it returns the episodes survive this process."""
+    def record(self, key: str, table: pa.Table) -> None:
+        """Writes one append (its episodes as a table, EPISODE_SCHEMA); after it returns
+        they survive this process."""
         if not re.fullmatch(r"[\w.-]{1,100}", key):
             raise ValueError(f"store append key must be 1-100 word characters, got {key!r}")
         final = self.directory / f"{self._next_seq:012d}-{key}.arrow"
         staging = final.with_name(final.name + ".tmp")
-        table = to_table(episodes)
         with (
             writing(staging),
             pa.OSFile(str(staging), "wb") as sink,
@@ -129,8 +130,11 @@ class EpisodeStore:
         self.flush_every_s = flush_every_s
         self.uploader = uploader
         self.journal = Journal(journal_dir) if journal_dir is not None else None
-        self._buffer: list[Episode] = self.journal.recover() if self.journal else []
-        self.recovered = len(self._buffer)
+        self._tables: list[pa.Table] = self.journal.recover() if self.journal else []
+        """The episodes appended and not yet written, a table an append: converted to
+        Arrow once, for the journal and the files both."""
+        self._rows = sum(table.num_rows for table in self._tables)
+        self.recovered = self._rows
         """Episodes an earlier process of this store appended but had not written."""
         self._last_flush = time.monotonic()
         self.episodes_written = 0
@@ -145,9 +149,12 @@ class EpisodeStore:
             key = key or uuid.uuid4().hex
             if key in self.journal.keys:
                 return 0
-            self.journal.record(key, episodes)
-        self._buffer.extend(episodes)
-        if len(self._buffer) >= self.rows_per_file or self._flush_due():
+        table = to_table(episodes)
+        if self.journal is not None:
+            self.journal.record(key, table)
+        self._tables.append(table)
+        self._rows += table.num_rows
+        if self._rows >= self.rows_per_file or self._flush_due():
             self.flush()
         return len(episodes)
 
@@ -156,7 +163,7 @@ class EpisodeStore:
 
     def flush(self) -> list[Path]:
         """Writes every buffered episode now; returns the files written."""
-        if not self._buffer:
+        if not self._rows:
             self._last_flush = time.monotonic()
             return []
         written = []
@@ -164,17 +171,18 @@ class EpisodeStore:
         # a dead process started replaces its files instead of adding copies.
         journal = self.journal
         stamp = f"{journal.id}-{journal.first_pending_seq():012d}" if journal else _file_stamp()
-        for chunk_index, start in enumerate(range(0, len(self._buffer), self.rows_per_file)):
-            chunk = self._buffer[start : start + self.rows_per_file]
-            for run_id, episodes in _by_run(chunk).items():
-                written.append(self._write_file(run_id, episodes, f"{stamp}-{chunk_index:04d}"))
-        self._buffer = []
+        table = pa.concat_tables(self._tables)
+        for chunk_index, start in enumerate(range(0, table.num_rows, self.rows_per_file)):
+            chunk = table.slice(start, self.rows_per_file)
+            for run_id, rows in _by_run(chunk).items():
+                written.append(self._write_file(run_id, rows, f"{stamp}-{chunk_index:04d}"))
+        self._tables, self._rows = [], 0
         if self.journal is not None and self.journal.pending:
             self.journal.written()
         self._last_flush = time.monotonic()
         return written
 
-    def _write_file(self, run_id: str, episodes: list[Episode], name: str) -> Path:
+    def _write_file(self, run_id: str, rows: pa.Table, name: str) -> Path:
         date = datetime.now(UTC).strftime("%Y-%m-%d")
         run = quote(run_id, safe="")
         relative = Path(f"run={run}", f"date={date}", f"part-{name}.parquet")
@@ -182,9 +190,9 @@ class EpisodeStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.with_name(f".{final.name}.tmp")
         with writing(staging):
-            pq.write_table(to_table(episodes), staging, compression="zstd")
+            pq.write_table(rows, staging, compression="zstd")
         staging.rename(final)
-        self.episodes_written += len(episodes)
+        self.episodes_written += rows.num_rows
         self.files_written += 1
         if self.uploader is not None:
             # The uploader keeps its own copy in its spool until the upload succeeds.
@@ -202,15 +210,17 @@ class EpisodeStore:
 
     def stats(self) -> StoreStats:
         pending = self.uploader.pending() if self.uploader is not None else 0
-        return StoreStats(self.episodes_written, self.files_written, len(self._buffer), pending)
+        return StoreStats(self.episodes_written, self.files_written, self._rows, pending)
 
 
-def _by_run(episodes: list[Episode]) -> dict[str, list[Episode]]:
-    """Groups episodes by their own run id, in order (posted episodes keep theirs)."""
-    groups: dict[str, list[Episode]] = {}
-    for episode in episodes:
-        groups.setdefault(episode.run_id, []).append(episode)
-    return groups
+def _by_run(table: pa.Table) -> dict[str, pa.Table]:
+    """Splits episodes by their own run id (posted episodes keep theirs), each run's in
+    order."""
+    runs = table.column("run_id")
+    unique = pc.unique(runs).to_pylist()
+    if len(unique) == 1:
+        return {unique[0]: table}
+    return {run_id: table.filter(pc.equal(runs, run_id)) for run_id in unique}
 
 
 def _file_stamp() -> str:
