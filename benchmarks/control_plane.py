@@ -11,7 +11,8 @@ of nodes and of workers it measures:
      a share of a take, from W producers at once, and its CPU per batch;
   b. the store: episodes/s and bytes/s storing realistic episodes (prompt and completion
      tokens with logprobs, text) made on the workers' nodes, and its CPU per episode;
-     every stored row counted and checked against the ids sent;
+     every stored row counted and checked against the ids sent; with --store-shards,
+     the same episodes through several store actors (store.shards) beside one;
   c. a weight broadcast: seconds until every one of W engines holds a weights object
      the learner published (packed as rlray's learner packs them), pulled to each
      engine's node through the object store;
@@ -28,6 +29,7 @@ figures mean at 1,024 GPUs.
 
     python benchmarks/control_plane.py --quick
     python benchmarks/control_plane.py --nodes 4 16 --workers 8 32 64 --sizes-mb 64 256
+    python benchmarks/control_plane.py --nodes 4 --workers 64 --store-shards 1 2
 """
 
 from __future__ import annotations
@@ -379,16 +381,35 @@ def measure_buffer(bench: Bench, workers: int) -> dict[str, float]:
 
 
 def measure_store(bench: Bench, workers: int, scratch: Path) -> dict[str, float]:
+    """The store at each shard count of --store-shards, side by side: the figures of one
+    store, and for more shards their episodes/s and its ratio to one store's."""
+    figures: dict[str, float] = {}
+    for shards in sorted(set(bench.args.store_shards) | {1}):
+        measured = measure_store_shards(bench, workers, shards, scratch)
+        if shards == 1:
+            figures |= measured
+        else:
+            rate = measured["store_episodes_per_s"]
+            figures[f"store_{shards}_shards_episodes_per_s"] = rate
+            figures[f"store_{shards}_shards_over_one"] = rate / figures["store_episodes_per_s"]
+    return figures
+
+
+def measure_store_shards(
+    bench: Bench, workers: int, shards: int, scratch: Path
+) -> dict[str, float]:
     """Batches of realistic episodes made on the workers' nodes are stored, a learner
-    step's batches a write, as the driver writes them; returns episodes/s, bytes/s and
-    the store's CPU per episode, after counting what it wrote."""
+    step's batches a write, as the driver writes them (to each of `shards` store actors
+    in turn); returns episodes/s, bytes/s and the stores' CPU per episode, after
+    counting what they wrote."""
     args = bench.args
     batches = max(1, args.store_episodes // args.batch_episodes)
     sent = batches * args.batch_episodes
-    print(f"  b. store: {sent} episodes from {workers} workers' nodes into Parquet")
-    run_dir = Path(tempfile.mkdtemp(prefix=f"store-{workers}-", dir=scratch))
+    print(f"  b. store: {sent} episodes from {workers} workers' nodes, {shards} store actor(s)")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"store-{workers}-{shards}-", dir=scratch))
     config = StoreConfig(path=str(run_dir / "episodes"))
-    store = REMOTE["profiled_store"].options(**bench.on_head()).remote(config, str(run_dir), RUN_ID)
+    remote = REMOTE["profiled_store"].options(**bench.on_head())
+    stores = [remote.remote(config, str(run_dir), RUN_ID, None, i) for i in range(shards)]
     try:
         pool = bench.workers[:workers]
         refs = [
@@ -396,26 +417,30 @@ def measure_store(bench: Bench, workers: int, scratch: Path) -> dict[str, float]
             for i in range(batches)
         ]
         wait_all(refs, "batches made")
+        wait_all([store.__ray_ready__.remote() for store in stores], "stores started")
         arrow_bytes = to_table(ray.get(refs[0], timeout=TIMEOUT_S)).nbytes * batches
-        cpu_before = ray.get(store.cpu_seconds.remote(), timeout=TIMEOUT_S)
+        cpu_before = sum(ray.get([s.cpu_seconds.remote() for s in stores], timeout=TIMEOUT_S))
         started = time.perf_counter()
         step = args.step_batches
         writes = [
-            store.append_batches.remote(
+            stores[write % shards].append_batches.remote(
                 [[ref] for ref in refs[i : i + step]], time.time(), TIMEOUT_S, uuid.uuid4().hex
             )
-            for i in range(0, batches, step)
+            for write, i in enumerate(range(0, batches, step))
         ]
         appended = sum(
             wait_all(writes, "store writes", lambda done: f"{done}/{len(writes)} writes stored")
         )
-        stats, _ = ray.get(store.close.remote(), timeout=TIMEOUT_S)
+        closed = ray.get([store.close.remote() for store in stores], timeout=TIMEOUT_S)
         seconds = time.perf_counter() - started
-        cpu = ray.get(store.cpu_seconds.remote(), timeout=TIMEOUT_S) - cpu_before
+        cpu = sum(ray.get([s.cpu_seconds.remote() for s in stores], timeout=TIMEOUT_S))
+        cpu -= cpu_before
     finally:
-        ray.kill(store)
+        for store in stores:
+            ray.kill(store)
     stored = count_stored(run_dir / "episodes")
-    check_stored_once(stored, sent, [appended, stats.episodes_written], "store")
+    written = sum(stats.episodes_written for stats, _ in closed)
+    check_stored_once(stored, sent, [appended, written], "store")
     parquet = sum(p.stat().st_size for p in (run_dir / "episodes").rglob("*.parquet"))
     return {
         "store_episodes_per_s": sent / seconds,
@@ -506,7 +531,7 @@ class DriverSteps:
         self.buffer, self.learner = buffer, bench.learner
         self.recovery = Recovery(self.actors, TIMEOUT_S, TIMEOUT_S)
         clock = PhaseClock()
-        self.store = StoreWrites(store, self.recovery, clock)
+        self.store = StoreWrites([("store", store)], self.recovery, clock)
         self.prompts_per_batch = max(1, bench.args.batch_episodes // SAMPLES)
         self.per_batch = self.prompts_per_batch * SAMPLES
         prompts = SimpleNamespace(row=lambda i: PromptRow(f"prompt {i}", {"answer": str(i)}))
@@ -683,6 +708,15 @@ FIGURES = [
 ]
 
 
+def store_figures(shard_counts: list[int]) -> list[tuple[str, str, str]]:
+    rows = []
+    for shards in sorted(set(shard_counts) - {1}):
+        key = f"store_{shards}_shards"
+        rows.append((f"{key}_episodes_per_s", f"b. store, {shards} shards: episodes/s", "{:.0f}"))
+        rows.append((f"{key}_over_one", f"b. store, {shards} shards: over one store", "{:.2f}"))
+    return rows
+
+
 def weight_figures(sizes_mb: list[int]) -> list[tuple[str, str, str]]:
     rows = [("weights_nodes", "c. nodes the engines are on", "{:.0f}")]
     for size in sizes_mb:
@@ -714,13 +748,15 @@ def growth(counts: list[int], values: list[float]) -> str:
     return f"{'worse than linear' if k > 1.3 else 'between'} (N^{k:.2f})"
 
 
-def print_table(nodes: int, results: dict[int, dict[str, float]], sizes_mb: list[int]) -> None:
+def print_table(
+    nodes: int, results: dict[int, dict[str, float]], sizes_mb: list[int], store_shards: list[int]
+) -> None:
     counts = sorted(results)
     print(f"\nresults, {nodes} nodes (N = workers)")
     header = f"{'figure':<48}" + "".join(f"{'N=' + str(n):>10}" for n in counts) + "  growth"
     print(header)
     print("-" * len(header))
-    for key, label, fmt in FIGURES + weight_figures(sizes_mb):
+    for key, label, fmt in FIGURES + store_figures(store_shards) + weight_figures(sizes_mb):
         values = [results[n].get(key) for n in counts]
         if all(v is None for v in values):
             continue
@@ -767,7 +803,7 @@ def run_cluster(nodes: int, args: argparse.Namespace, scratch: Path) -> dict[int
     finally:
         ray.shutdown()
         bench.cluster.shutdown()
-    print_table(nodes, results, args.sizes_mb)
+    print_table(nodes, results, args.sizes_mb, args.store_shards)
     return results
 
 
@@ -783,6 +819,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="weight broadcasts at each size")
     parser.add_argument("--batch-episodes", type=int, default=64, help="episodes in a batch")
     parser.add_argument("--step-batches", type=int, default=4, help="batches in a store write")
+    parser.add_argument(
+        "--store-shards", type=int, nargs="+", default=[1], help="store shards, side by side"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--completion-tokens", type=int, default=1024)
     parser.add_argument(

@@ -162,6 +162,10 @@ BAD_INPUTS = {
         ["--run-dir", "/proc/rundir"],
         "run_dir: cannot create /proc/rundir: No such file or directory",
     ),
+    "store-shards-fewer-than-journals": (
+        ["--store.shards", "2", "--run-dir", "RUN_WITH_SHARD_2_JOURNAL"],
+        "episode-journal-2 holds episodes store shard 2 had not written; run with store.shards 3",
+    ),
     "config-nested-too-deep": (["--config", "DEEP_YAML"], "deep.yaml: nested too deeply"),
     "config-nested-deep": (["--config", "DEEPISH_YAML"], "deepish.yaml: nested more than 32"),
     "seed-too-large": (["--seed", "4294967296"], "seed must be <= "),
@@ -214,6 +218,7 @@ def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
         ),
         "DEEP_YAML": lambda: _write(tmp_path / "deep.yaml", b"a: " + b"[" * 3000 + b"]" * 3000),
         "DEEPISH_YAML": lambda: _write(tmp_path / "deepish.yaml", b"a: " + b"[" * 40 + b"]" * 40),
+        "RUN_WITH_SHARD_2_JOURNAL": lambda: _journal_of_shard(tmp_path / "earlier", 2),
         "FILE": lambda: _write(tmp_path / "file", b"x"),
         "FILE/run": lambda: _write(tmp_path / "file", b"x") + "/run",
     }
@@ -225,6 +230,14 @@ def materialise(args: list[str], tmp_path: Path, tiny_model: Path) -> list[str]:
             arg = files[arg]()
         out.append(arg)
     return out
+
+
+def _journal_of_shard(run_dir: Path, shard: int) -> str:
+    """A run directory whose store shard `shard` left an append it had not written."""
+    journal = run_dir / f"episode-journal-{shard}"
+    journal.mkdir(parents=True)
+    (journal / "000000000000-k.arrow").write_bytes(b"")
+    return str(run_dir)
 
 
 def _write(path: Path, data: bytes) -> str:

@@ -42,6 +42,7 @@ def test_the_smallest_run_measures_every_part_and_stores_each_episode_once(tmp_p
     command = [sys.executable, str(SCRIPT), "--quick", "--nodes", "2", "--workers", "1", "2"]
     command += ["--sizes-mb", "4", "--buffer-seconds", "1", "--store-episodes", "256"]
     command += ["--steps", "2", "--batch-episodes", "32", "--bookkeeping-workers", "8", "16"]
+    command += ["--store-shards", "1", "2"]  # every episode stored once by two shards too
     command += ["--json", str(out)]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -52,6 +53,7 @@ def test_the_smallest_run_measures_every_part_and_stores_each_episode_once(tmp_p
         for name, value in figures.items():
             assert math.isfinite(value) and value > 0, (workers, name, value)
         assert figures["store_rows"] == figures["store_sent"] == 256
+        assert "store_2_shards_over_one" in figures
         # a warm-up step and two timed ones, each a batch of 8 prompts x 4 samples a worker
         assert figures["driver_stored"] == 3 * int(workers) * 32
         assert figures["buffer_cpu_ms_per_batch"] < 1000

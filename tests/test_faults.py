@@ -3,7 +3,8 @@
 scored episode once: whole batches, each id once, every step's batch trained on.
 
 One run takes all the kills in turn (rollout; the store, with the buffer and the
-scoring in its process; then the learner, after which the job resumes from its checkpoint by itself;
+scoring in its process; the store's second shard; then the learner, after which the job
+resumes from its checkpoint by itself;
 then the learner again, which ends the job as `ray.max_job_restarts` 1 allows one
 resume), so Ray and vLLM start once for all of them. It syncs weights through vLLM's
 weight transfer (gloo): the restarted rollout worker loads them from the object store
@@ -92,6 +93,11 @@ def check_whole_batches(grouped: dict[str, list[dict]]) -> dict[int, list[bool]]
     return by_batch
 
 
+KILLED_ONCE = ("rollout-0", "store", "store-1")
+"""A rollout worker, the store (with the buffer and the scorer) and the store's second
+shard, each killed once, a step apart."""
+
+
 def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_path):
     run_dir = tmp_path / "faults"
     args = [*SHORT_RUN, "--learner.steps", "50", "--ray.max_job_restarts", "1"]
@@ -99,12 +105,13 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     # The long-tail task with in-flight updates, a batch ahead: requests are running
     # across kills, syncs and checkpoints.
     args += ["--config", str(REPO / "examples" / "countdown.yaml"), "--buffer.max_staleness", "1"]
+    args += ["--store.shards", "2"]  # store-1 writes every other step's episodes
     output = tmp_path / "job"
     job = start_job([*args, "--run-dir", str(run_dir)], job_env, output)
     try:
         # The store's process holds the buffer and scores: one kill restarts and restores
         # both, and fails the scoring calls in flight.
-        for step, actor in enumerate(("rollout-0", "store"), start=1):
+        for step, actor in enumerate(KILLED_ONCE, start=1):
             wait_until(lambda step=step: steps_logged(run_dir) >= step)
             kill(run_dir, actor)
             # Seen by the run before the next kill: a resume would forget it.
@@ -131,7 +138,7 @@ def test_every_actor_kind_killed_mid_run_loses_and_doubles_nothing(job_env, tmp_
     assert "gave up after 1 restarts: ray.max_job_restarts" in last
     # Each actor killed once is one restart, logged once, however many calls it failed
     # (Ray's own count; the resumed run's new actors count from 0).
-    for actor in ("rollout-0", "store"):
+    for actor in KILLED_ONCE:
         assert re.findall(rf"^{actor} restarted \(restart (\d+) of this run\)$", err, re.M) == [
             "1"
         ], actor

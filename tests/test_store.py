@@ -12,9 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlray.config import StoreConfig
 from rlray.core.episode import to_table
+from rlray.core.stats import StoreStats
 from rlray.episodes.reader import read, summarize
-from rlray.episodes.store import EpisodeStore, Journal, mark_trained
+from rlray.episodes.store import EpisodeStore, Journal, mark_trained, open_store
 from rlray.observe.metrics_log import MetricsLog
 from tests.jobs_helper import REPO
 from tests.test_episode import make_episode
@@ -99,6 +101,23 @@ def test_a_flush_cut_short_is_redone_without_copies(tmp_path, monkeypatch):
     again.close()
     assert sorted(p.name for p in (tmp_path / "episodes").rglob("*.parquet")) == first_files
     assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(5)]
+
+
+def test_shards_keep_journals_of_their_own_and_never_write_the_same_file(tmp_path):
+    config = StoreConfig(rows_per_file=4, flush_every_s=3600)
+    shards = [open_store(config, tmp_path, "run", shard) for shard in range(2)]
+    journals = sorted(p.name for p in tmp_path.glob("episode-journal*"))
+    assert journals == ["episode-journal", "episode-journal-1"]
+    for shard, store in enumerate(shards):  # the same key, the first append of each
+        store.append(episodes(3, start=3 * shard), key="a")
+    del shards, store  # both died before writing a file
+    again = [open_store(config, tmp_path, "run", shard) for shard in range(2)]
+    assert [store.recovered for store in again] == [3, 3]
+    for store in again:
+        store.close()
+    assert stored_ids(tmp_path / "episodes") == [f"run-{i}" for i in range(6)]
+    assert len(list((tmp_path / "episodes").rglob("*.parquet"))) == 2
+    assert StoreStats.total([store.stats() for store in again]) == StoreStats(6, 2, 0, 0)
 
 
 def test_episodes_are_filed_under_their_own_run_id(tmp_path):

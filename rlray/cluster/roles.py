@@ -239,8 +239,15 @@ class StoreActor:
     run_id), it scores too, as a reward actor would: reward.num_workers 0. Start it with
     `concurrency_groups=STORE_GROUPS`."""
 
-    def __init__(self, config: StoreConfig, run_dir: str, run_id: str, scorer: tuple | None = None):
-        self.store = open_store(config, Path(run_dir), run_id)
+    def __init__(
+        self,
+        config: StoreConfig,
+        run_dir: str,
+        run_id: str,
+        scorer: tuple | None = None,
+        shard: int = 0,
+    ):
+        self.store = open_store(config, Path(run_dir), run_id, shard)
         self.upload_timeout_s = config.upload_timeout_s
         self.scorer = RewardActor(run_id, *scorer) if scorer else None
 

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ class Actors:
     reward_names: list[str]
     store: Any
     buffer: Any = None
+    store_shards: list[Any] = field(default_factory=list)
+    """The store's shards after the first (store.shards), named store-1, store-2, ...:
+    store actors of their own, beside `store`."""
     learner: LearnerGroup | None = None
     ingest: Any = None
     agent: Any = None
@@ -78,9 +81,15 @@ class Actors:
         return [
             *zip(self.rollout_names, self.rollout, strict=True),
             *((name, handle) for name, handle in singles if handle is not None),
+            *self.stores()[1:],
             *zip(self.reward_names, self.reward, strict=True),
             *zip(learners.names, learners.handles, strict=True),
         ]
+
+    def stores(self) -> list[tuple[str, Any]]:
+        """Returns (name, handle) of every shard of the store, `store` first."""
+        shards = [(f"store-{i}", handle) for i, handle in enumerate(self.store_shards, 1)]
+        return [("store", self.store), *shards]
 
     def process_name(self, name: str) -> str:
         """Returns the first name of the process of actor `name` (see `all`): the one its
@@ -203,6 +212,7 @@ def start_actors(
     rollout_names = [f"rollout-{i}" for i in range(config.rollout.num_workers)]
     reward_names = [f"reward-{i}" for i in range(config.reward.num_workers)]
     store = _start_store(config, run_id, train)
+    shards = [_start_store_shard(config, run_id, i) for i in range(1, config.store.shards)]
     if colocated:
         rollout = _start_colocated(config, rollout_names, model_path, run_id, checkpoint, placement)
     else:
@@ -219,6 +229,7 @@ def start_actors(
         or [store],
         reward_names=reward_names or [STORE_SCORER],
         store=store,
+        store_shards=shards,
         placement=placement,
     )
     if train:
@@ -241,12 +252,9 @@ STORE_SCORER = "reward"
 store's, and a failed scoring call names it."""
 
 
-def _start_store(config: Config, run_id: str, train: bool) -> Any:
-    """Starts the run's store, named `store`: with the buffer in its process in a training
-    run (EpisodesActor), alone in a collect-only one; scoring too with reward.num_workers
-    0 (the rewards' own child process starts with it)."""
-    options = {
-        "name": "store",
+def _store_options(config: Config, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
         "num_cpus": 0,
         "max_restarts": config.ray.max_actor_restarts,
         # Beside the driver: it writes into the run directory (the driver's disk), and a
@@ -255,6 +263,21 @@ def _start_store(config: Config, run_id: str, train: bool) -> Any:
             ray.get_runtime_context().get_node_id(), soft=False
         ),
     }
+
+
+def _start_store_shard(config: Config, run_id: str, shard: int) -> Any:
+    """Starts shard `shard` (1 and up) of the run's store, named store-<shard>: a store
+    actor that writes episodes only (no buffer, no scoring)."""
+    actor = ray.remote(concurrency_groups=STORE_GROUPS)(StoreActor)
+    options = _store_options(config, f"store-{shard}")
+    return actor.options(**options).remote(config.store, config.run_dir, run_id, None, shard)
+
+
+def _start_store(config: Config, run_id: str, train: bool) -> Any:
+    """Starts the run's store, named `store`: with the buffer in its process in a training
+    run (EpisodesActor), alone in a collect-only one; scoring too with reward.num_workers
+    0 (the rewards' own child process starts with it)."""
+    options = _store_options(config, "store")
     scorer = None if config.reward.num_workers else _reward_arguments(config, STORE_SCORER)
     if scorer is not None:
         # A scoring call is sent once its batch is generated: in order, every call to

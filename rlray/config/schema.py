@@ -689,6 +689,11 @@ class StoreConfig:
     upload_timeout_s: float = wait_s(120.0)
     """At the end of a run, how long to wait for uploads; files not uploaded by then stay
     in the local spool (a warning names it) and upload on a later run or by hand."""
+    shards: int = positive(1, at_most=256)
+    """Store actors writing side by side on the driver's node, each a process (so a core)
+    with a journal, spool and files of its own; the driver hands them its writes in
+    turn. One store is one core's work: add shards where the episodes a second outgrow
+    it (docs/scale.md). A resumed run needs at least as many as its journals."""
 
 
 @dataclass

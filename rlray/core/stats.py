@@ -5,7 +5,7 @@ the driver reads them)."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -145,6 +145,11 @@ class StoreStats:
     files_written: int
     buffered: int
     uploads_pending: int
+
+    @classmethod
+    def total(cls, shards: list[StoreStats]) -> StoreStats:
+        """Returns the stats of a store's shards, summed."""
+        return cls(*(sum(getattr(shard, f.name) for shard in shards) for f in fields(cls)))
 
 
 def staleness_mean(episodes: list[Episode], learner_version: int) -> float:

@@ -46,7 +46,7 @@ class CollectDriver:
         self.recovery = Recovery(
             actors, config.ray.call_timeout_s, config.ray.actor_start_timeout_s
         )
-        self.store = StoreWrites(actors.store, self.recovery, clock)
+        self.store = StoreWrites(actors.stores(), self.recovery, clock)
         self.rollouts = Rollouts(actors, plan.prompts, self.recovery, clock, deliver=self._store)
         processes = actor_processes(actors, config.ray.call_timeout_s)
         (plan.run_dir / "placement.json").write_text(json.dumps(processes, indent=2))

@@ -5,6 +5,7 @@ jobs/eval.py compares.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from rlray.data.prompts import (
     lost_characters_warning,
     train_prompts,
 )
+from rlray.episodes.store import journal_name
 from rlray.rewards.loading import absolute_spec_path, check_rewards
 from rlray.rewards.worker import TRACE_COLUMN
 from rlray.rollout.environments import load_environment
@@ -96,6 +98,7 @@ def plan_run(config: Config, resume_dir: Path | None) -> RunPlan:
     checkpoint = None if resume_dir is None else resume_checkpoint(resume_dir)
     run_dir = Path(config.run_dir or f"runs/ppo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_writable(run_dir)
+    _check_store_journals(run_dir, config.store.shards)
     prompts = train_prompts(config.data, config.seed)
     held_out = eval_rows(config.data)
     config.reward.functions = [absolute_spec_path(s, Path.cwd()) for s in config.reward.functions]
@@ -189,6 +192,20 @@ def check_resume_overrides(run_dir: Path, config: Config) -> None:
             raise ConfigError(
                 f"--resume: {name} was {held(before)} in {run_dir}/config.yaml, not "
                 f"{held(config)}: its checkpoints hold what the run trained; start a new run"
+            )
+
+
+def _check_store_journals(run_dir: Path, shards: int) -> None:
+    """Raises ConfigError if a store shard the run would not start has a journal in the
+    run directory holding episodes it had not written: no store would write them."""
+    for shard in itertools.count(shards):
+        journal = run_dir / journal_name(shard)
+        if not journal.is_dir():
+            return
+        if any(journal.glob("*.arrow")):
+            raise ConfigError(
+                f"store.shards: {journal} holds episodes store shard {shard} had not written; "
+                f"run with store.shards {shard + 1} or more"
             )
 
 

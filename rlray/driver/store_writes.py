@@ -3,10 +3,13 @@
 The store fetches each batch from the object store itself; the driver sends only
 references. A write is kept until the store answers for it, and sent again, under the
 same key, if the store dies first: the store recognises the key and stores it once.
+With several shards (store.shards) the writes go to each in turn, and a write is sent
+again to the shard it was sent to, the one whose journal knows its key.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -30,14 +33,18 @@ class StoreWrite:
 
     batch_refs: list[list[Any]]
     trained_at: float | None
+    shard: str
+    """The name of the store actor it goes to."""
     ref: Any = None
 
 
 class StoreWrites:
-    """The run's writes to its `store` actor, each confirmed or sent again."""
+    """The run's writes to its store actors (`stores`: name and handle of each shard),
+    each confirmed or sent again."""
 
-    def __init__(self, store: Any, recovery: Recovery, clock: PhaseClock):
-        self.store = store
+    def __init__(self, stores: list[tuple[str, Any]], recovery: Recovery, clock: PhaseClock):
+        self.stores = dict(stores)
+        self.turns = itertools.cycle(self.stores)
         self.recovery = recovery
         self.clock = clock
         self.pending: dict[str, StoreWrite] = {}
@@ -50,12 +57,12 @@ class StoreWrites:
         with self.clock.phase("store"), interrupts_held():
             if batch_refs:
                 key = uuid.uuid4().hex
-                self.pending[key] = StoreWrite(batch_refs, trained_at)
+                self.pending[key] = StoreWrite(batch_refs, trained_at, next(self.turns))
                 self.submit(key, self.pending[key])
             self.confirm(block=False)
 
     def submit(self, key: str, write: StoreWrite) -> None:
-        write.ref = self.store.append_batches.remote(
+        write.ref = self.stores[write.shard].append_batches.remote(
             write.batch_refs, write.trained_at, self.recovery.timeout_s, key
         )
 
@@ -68,35 +75,38 @@ class StoreWrites:
             writes = [(key, w) for key, w in writes if w.ref in set(done)]
         for key, write in writes:
             try:
-                wait_for(write.ref, "store", "append", self.recovery.timeout_s)
+                wait_for(write.ref, write.shard, "append", self.recovery.timeout_s)
             except ActorFailure as err:
                 # Batches lost with their node cannot be sent again: the run resumes from
                 # its checkpoint, which hands their prompts out again.
                 if err.lost or not err.died:
                     raise
-                self.recovery.recover("store", err)  # sends every unconfirmed write again
+                self.recovery.recover(write.shard, err)  # sends its unconfirmed writes again
                 return self.confirm(block)
             del self.pending[key]
         return None
 
     def _send_again(self, name: str) -> None:
+        """Sends the restarted store actor `name` every write of its not yet confirmed."""
         for key, write in self.pending.items():
-            self.submit(key, write)
+            if write.shard == name:
+                self.submit(key, write)
 
     def close(self, upload_timeout_s: float) -> StoreStats | None:
-        """Waits for every write, closes the store (its buffered rows written, uploads
-        waited for) and returns its stats; None if it could not be closed (logged)."""
+        """Waits for every write, closes every shard of the store (its buffered rows
+        written, uploads waited for) and returns their stats, summed; None if one could
+        not be closed (logged)."""
+        timeout = self.recovery.timeout_s + upload_timeout_s
         try:
             self.confirm(block=True)
-            timeout = self.recovery.timeout_s + upload_timeout_s
-            stats, spooled = wait_for(self.store.close.remote(), "store", "close", timeout)
+            closing = [(name, store.close.remote()) for name, store in self.stores.items()]
+            closed = [wait_for(ref, name, "close", timeout) for name, ref in closing]
         except ActorFailure as err:
             logger.warning("episodes not yet written may be lost: %s", err)
             return None
+        stats = StoreStats.total([shard_stats for shard_stats, _ in closed])
+        spooled = [path for _, paths in closed for path in paths]
         if spooled:
-            logger.warning(
-                "%d episode file(s) not uploaded; they wait in %s",
-                len(spooled),
-                Path(spooled[0]).parent,
-            )
+            spools = ", ".join(sorted({str(Path(path).parent) for path in spooled}))
+            logger.warning("%d episode file(s) not uploaded; they wait in %s", len(spooled), spools)
         return stats

@@ -86,7 +86,7 @@ class TrainingDriver:
         self.recovery = Recovery(
             actors, config.ray.call_timeout_s, config.ray.actor_start_timeout_s
         )
-        self.store = StoreWrites(actors.store, self.recovery, self.clock)
+        self.store = StoreWrites(actors.stores(), self.recovery, self.clock)
         self.weights = WeightSync(
             config, actors, self.recovery, self.clock, self.telemetry, version
         )

@@ -235,15 +235,18 @@ def mark_trained(episodes: list[Episode], trained_at: float | None) -> list[Epis
     return episodes
 
 
-def open_store(config: StoreConfig, run_dir: Path, run_id: str) -> EpisodeStore:
+def open_store(config: StoreConfig, run_dir: Path, run_id: str, shard: int = 0) -> EpisodeStore:
     """Returns the store a config names: a local directory (default <run_dir>/episodes),
-    or files staged under the run directory and shipped to S3 or pre-signed URLs."""
+    or files staged under the run directory and shipped to S3 or pre-signed URLs. A
+    shard's journal and spool are its own (shard 0's keep the unsharded names); its files
+    are named by its journal's id, so shards never write the same file."""
+    suffix = f"-{shard}" if shard else ""
     if config.presigned_url_service or config.path.startswith("s3://"):
         # boto3 loads only where episodes go to S3
         from rlray.episodes.s3 import make_uploader
 
         root = run_dir / "episode-staging"
-        uploader = make_uploader(config, spool_dir=run_dir / "episode-spool")
+        uploader = make_uploader(config, spool_dir=run_dir / f"episode-spool{suffix}")
     else:
         root, uploader = Path(config.path or run_dir / "episodes"), None
     return EpisodeStore(
@@ -252,5 +255,10 @@ def open_store(config: StoreConfig, run_dir: Path, run_id: str) -> EpisodeStore:
         config.rows_per_file,
         config.flush_every_s,
         uploader,
-        journal_dir=run_dir / "episode-journal",
+        journal_dir=run_dir / journal_name(shard),
     )
+
+
+def journal_name(shard: int) -> str:
+    """The directory, in the run directory, of a store shard's journal."""
+    return f"episode-journal-{shard}" if shard else "episode-journal"
