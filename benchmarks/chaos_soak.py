@@ -1,8 +1,9 @@
 """A bounded soak with faults: rlray's training loop with simulated engines and learner
 (benchmarks/simulated_loop.py's) on a many-node Ray made on this machine, while, every
 30-60 s at random, one of these is killed with SIGKILL: a rollout worker, a reward
-worker, the buffer and store (one process), or a whole engine node (its raylet and
-every actor on it, then a new node joins). Afterwards it checks, and prints:
+worker, the buffer and store (one process), a store shard (with --store-shards 2 or
+more), or a whole engine node (its raylet and every actor on it, then a new node
+joins). Afterwards it checks, and prints:
 
   - every episode stored exactly once: each (prompt, sample) of every prompt handed out
     (the last checkpoint's prompt cursor) once in the store, no id twice;
@@ -15,6 +16,7 @@ every actor on it, then a new node joins). Afterwards it checks, and prints:
 
     python benchmarks/chaos_soak.py --quick           # each target once, in turn
     python benchmarks/chaos_soak.py --minutes 20      # 32 workers on 4 nodes
+    python benchmarks/chaos_soak.py --minutes 20 --weight-relay --store-shards 2
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ PROCESS_TITLES = {
     "rollout worker": "ray::SimulatedRolloutActor",
     "reward worker": "ray::RewardActor",
     "buffer and store": "ray::EpisodesActor",
+    "store shard": "ray::StoreActor",  # store-1 and up (store.shards)
 }
 
 
@@ -71,6 +74,7 @@ class Chaos:
     seed: int
     in_turn: bool = False
     """Each target in turn (TARGETS' order) instead of one chosen at random."""
+    targets: tuple[str, ...] = TARGETS
     faults: list[Fault] = field(default_factory=list)
     next_at: float | None = None
 
@@ -87,7 +91,8 @@ class Chaos:
         if now < self.next_at:
             return
         turn = len(self.faults)
-        target = TARGETS[turn % len(TARGETS)] if self.in_turn else self.rng.choice(TARGETS)
+        targets = self.targets
+        target = targets[turn % len(targets)] if self.in_turn else self.rng.choice(targets)
         rng = self.rng
         detail = self.node(rng) if target == "engine node" else self.process(target, rng)
         if detail:
@@ -199,11 +204,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-relay", action="store_true", help="rollout.weight_relay true")
+    parser.add_argument("--store-shards", type=int, default=1, help="store.shards")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.minutes, args.nodes, args.workers, args.every = 1.5, 2, 8, [15.0, 20.0]
+    if args.quick:  # each target once: about 20 s of faults a target
+        args.minutes = 0.4 * len(targets_of(args))
+        args.nodes, args.workers, args.every = 2, 8, [15.0, 20.0]
         args.time_scale = 0.25  # short steps: each fault's recovery within the run
     return args
+
+
+def targets_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The kinds of fault a soak makes: a store shard's too where it has more than one."""
+    return TARGETS + (("store shard",) if args.store_shards > 1 else ())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     cluster = start_cluster(args.nodes, store_mb=STORE_MB)
-    chaos = Chaos(cluster, *args.every, seed=args.seed, in_turn=args.quick)
+    targets = targets_of(args)
+    chaos = Chaos(cluster, *args.every, seed=args.seed, in_turn=args.quick, targets=targets)
     with tempfile.TemporaryDirectory(prefix="rlray-chaos-") as scratch:
         run_dir = Path(scratch) / "run"
         job_args = shape.job_args(run_dir)
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         job_args += ["--buffer.max_staleness", str(args.max_staleness)]
         job_args += ["--learner.checkpoint_every", "5"]
         job_args += ["--rollout.weight_relay", str(args.weight_relay).lower()]
+        job_args += ["--store.shards", str(args.store_shards)]
         timeout = args.minutes * 60 * 3 + 600
         result = run_job(cluster.address, job_args, run_dir, chaos.poll, timeout)
         try:

@@ -63,13 +63,15 @@ def test_the_short_soak_loses_and_doubles_nothing_through_each_kind_of_fault():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, str(REPO / "benchmarks" / "chaos_soak.py"), "--quick"]
-    command += ["--weight-relay"]
+    command += ["--weight-relay", "--store-shards", "2"]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     faults = re.findall(r"^  fault: (.+?) \(", run.stdout, re.M)
-    # In turn: a rollout worker, a reward worker, the buffer and store, an engine node.
-    assert faults[:4] == ["rollout worker", "reward worker", "buffer and store", "engine node"]
+    # In turn: a rollout worker, a reward worker, the buffer and store, an engine node,
+    # the second store shard.
+    kinds = ["rollout worker", "reward worker", "buffer and store", "engine node", "store shard"]
+    assert faults[:5] == kinds, run.stdout[-3000:]
     assert "every episode stored exactly once; nothing hung; every parity check 0" in out
     stored = int(re.search(r"^episodes stored: (\d+)$", run.stdout, re.M)[1])
     handed_out = int(re.search(r"^prompts handed out: (\d+)$", run.stdout, re.M)[1])
